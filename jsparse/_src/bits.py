@@ -1,0 +1,70 @@
+"""Bit-pattern views of array leaves.
+
+jsparse compares and transports bit patterns, never float values: ``+0.0`` and ``-0.0`` differ,
+and so do two NaNs with different payloads. Every supported dtype maps to an unsigned integer
+"bit dtype" of the same width (``bool`` maps to ``uint8`` holding 0 or 1).
+
+>>> import jax.numpy as jnp
+>>> to_bits(jnp.array([-0.0], jnp.bfloat16)).tolist()
+[32768]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_UINT_BY_BYTES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
+                  8: np.dtype(np.uint64)}
+
+
+def is_supported_dtype(dtype: np.dtype) -> bool:
+  """Whether jsparse can carry leaves of this dtype (bool, integers and floats of 1-8 bytes)."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return True
+  is_numeric = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+  return bool(is_numeric) and dtype.itemsize in _UINT_BY_BYTES
+
+
+def bit_dtype(dtype: np.dtype) -> np.dtype:
+  """The unsigned integer dtype that holds the bit pattern of ``dtype``."""
+  return _UINT_BY_BYTES[np.dtype(dtype).itemsize]
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+  """Reinterprets ``x`` as unsigned integers of the same width (bool becomes 0/1 ``uint8``)."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint8)
+  target = bit_dtype(x.dtype)
+  if x.dtype == target:
+    return x
+  return lax.bitcast_convert_type(x, target)
+
+
+def from_bits(bits: jax.Array, dtype: np.dtype) -> jax.Array:
+  """Inverse of :func:`to_bits`: reinterprets unsigned integers as ``dtype``."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return bits != 0
+  if bits.dtype == dtype:
+    return bits
+  return lax.bitcast_convert_type(bits, dtype)
+
+
+def np_to_bits(x: np.ndarray) -> np.ndarray:
+  """Host (numpy) version of :func:`to_bits`."""
+  x = np.asarray(x)
+  if x.dtype == np.bool_:
+    return x.astype(np.uint8)
+  return x.view(bit_dtype(x.dtype))
+
+
+def np_from_bits(bits: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """Host (numpy) version of :func:`from_bits`."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return bits != 0
+  return np.asarray(bits).view(dtype)

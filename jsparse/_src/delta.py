@@ -1,0 +1,146 @@
+"""The pure core: :class:`Delta`, :func:`diff` and :func:`apply`.
+
+``diff`` finds, per segment of the plan, the elements whose rollout bit patterns changed and
+records up to ``capacity`` of them as (index, new bits) pairs; ``apply`` scatters them into the
+rollout tree. Both are jitted with the plan static, so they compile once per plan, and a Delta's
+shapes depend on the plan only.
+
+>>> import jax, jax.numpy as jnp
+>>> import jsparse
+>>> old = {'w': jnp.zeros((4,), jnp.float32)}
+>>> new = {'w': jnp.array([0.0, 1.0, 0.0, -0.0], jnp.float32)}
+>>> plan = jsparse.make_plan(old, rollout_dtype=jnp.bfloat16)
+>>> delta = jsparse.diff(plan, old, new)
+>>> delta.counts.tolist()  # -0.0 differs from +0.0 in its bits
+[2]
+>>> jsparse.apply(plan, plan.cast(old), delta)['w'].tolist()
+[0.0, 1.0, 0.0, -0.0]
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse._src import bits as bits_lib
+from jsparse._src.compaction import changed_positions
+from jsparse._src.errors import PlanMismatchError
+from jsparse._src.plan import Plan, Segment
+
+PyTree = Any
+
+
+class Delta(NamedTuple):
+  """Sparse difference between two versions of a tree, with shapes fixed by the plan.
+
+  Attributes:
+    indices: per segment, ``int32[capacity]`` flat positions of changed elements in ascending
+      order; unused slots hold the segment size (out of range).
+    values: per segment, the new bit patterns (unsigned ints of the rollout dtype's width); 0 in
+      unused slots.
+    counts: ``int32[num_segments]``, how many elements of each segment changed (may exceed its
+      capacity).
+    overflow: ``bool[num_segments]``, ``counts > capacity``: those segments are incomplete here and
+      must be carried densely (``Sender`` does that).
+  """
+
+  indices: tuple[jax.Array, ...]
+  values: tuple[jax.Array, ...]
+  counts: jax.Array
+  overflow: jax.Array
+
+
+def _cast_bits(leaf: jax.Array, dtype: np.dtype) -> jax.Array:
+  return bits_lib.to_bits(jnp.asarray(leaf).astype(dtype).reshape(-1))
+
+
+def segment_bits(plan: Plan, segment: Segment, flat: list[jax.Array]) -> jax.Array:
+  """The flat rollout bit patterns of one segment (leaves cast and laid end to end)."""
+  parts = [_cast_bits(flat[i], plan.leaves[i].rollout_dtype) for i in segment.leaf_ids]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def _diff_segment(plan: Plan, segment: Segment, base: list, new: list) -> tuple[jax.Array, ...]:
+  base_bits = segment_bits(plan, segment, base)
+  new_bits = segment_bits(plan, segment, new)
+  positions, count = changed_positions(base_bits != new_bits, segment.capacity)
+  safe = jnp.minimum(positions, segment.size - 1)
+  if segment.pooled:
+    values = new_bits[safe]
+  else:  # gather first, then cast: no full-size rollout copy of the new leaf
+    leaf = plan.leaves[segment.leaf_ids[0]]
+    source = jnp.asarray(new[segment.leaf_ids[0]]).reshape(-1)
+    values = bits_lib.to_bits(source[safe].astype(leaf.rollout_dtype))
+  values = jnp.where(positions < segment.size, values, 0).astype(segment.bit_dtype)
+  return positions, values, count
+
+
+def diff_flat(plan: Plan, base: list, new: list) -> Delta:
+  """:func:`diff` on already flattened and checked leaves (used inside larger jitted steps)."""
+  parts = [_diff_segment(plan, seg, base, new) for seg in plan.segments]
+  counts = jnp.stack([c for _, _, c in parts]) if parts else jnp.zeros((0,), jnp.int32)
+  capacities = jnp.array([seg.capacity for seg in plan.segments], jnp.int32)
+  return Delta(tuple(p for p, _, _ in parts), tuple(v for _, v, _ in parts), counts,
+               counts > capacities)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def diff(plan: Plan, base: PyTree, new: PyTree) -> Delta:
+  """Computes the sparse, bit-exact difference from ``base`` to ``new`` in rollout dtypes.
+
+  Args:
+    plan: from :func:`make_plan`.
+    base: the last synced tree, in trainer or rollout dtypes.
+    new: the new tree, in trainer or rollout dtypes (cast to the rollout dtypes here).
+
+  Returns:
+    A :class:`Delta`. If ``delta.overflow`` is false everywhere,
+    ``apply(plan, plan.cast(base), delta)`` equals ``plan.cast(new)`` bit for bit.
+  """
+  return diff_flat(plan, plan.flatten(base, what="base"), plan.flatten(new, what="new"))
+
+
+def check_delta(plan: Plan, delta: Delta) -> None:
+  """Raises :class:`PlanMismatchError` unless ``delta`` has the shapes and dtypes the plan fixes."""
+  n = len(plan.segments)
+  if not isinstance(delta, Delta) or len(delta.indices) != n or len(delta.values) != n:
+    raise PlanMismatchError(f"delta: expected a jsparse.Delta with {n} segments")
+  for s, seg in enumerate(plan.segments):
+    for name, arr, dtype in (("indices", delta.indices[s], np.dtype(np.int32)),
+                             ("values", delta.values[s], seg.bit_dtype)):
+      if tuple(arr.shape) != (seg.capacity,) or np.dtype(arr.dtype) != dtype:
+        paths = [plan.leaves[i].path for i in seg.leaf_ids][:3]
+        raise PlanMismatchError(
+            f"delta: segment {s} (leaves {paths}) {name} is {arr.dtype}{list(arr.shape)}, the plan "
+            f"expects {dtype}[{seg.capacity}]")
+
+
+def apply_flat(plan: Plan, base: list, delta: Delta) -> list[jax.Array]:
+  """:func:`apply` on already flattened and checked rollout leaves."""
+  out = list(base)
+  for seg, idx, vals in zip(plan.segments, delta.indices, delta.values):
+    merged = segment_bits(plan, seg, base).at[idx].set(vals, mode="drop")
+    for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
+      leaf = plan.leaves[leaf_id]
+      part = merged if not seg.pooled else merged[offset:offset + leaf.size]
+      out[leaf_id] = bits_lib.from_bits(part, leaf.rollout_dtype).reshape(leaf.shape)
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def apply(plan: Plan, base: PyTree, delta: Delta) -> PyTree:
+  """Writes the changes of ``delta`` into ``base`` (a tree in rollout dtypes).
+
+  To update a large model in place, donate the base:
+  ``jax.jit(jsparse.apply, static_argnums=0, donate_argnums=1)(plan, params, delta)``.
+
+  Returns:
+    The updated tree, in rollout dtypes, with the structure of the plan.
+  """
+  check_delta(plan, delta)
+  flat = apply_flat(plan, plan.flatten(base, what="base", rollout_only=True), delta)
+  return jax.tree.unflatten(plan.treedef, flat)

@@ -1,0 +1,31 @@
+"""Exception types raised by jsparse.
+
+Every error jsparse raises derives from :class:`JsparseError`, so callers can catch the whole
+family at once, and from the matching builtin (``ValueError`` ...), so generic handlers work too.
+"""
+
+from __future__ import annotations
+
+
+class JsparseError(Exception):
+  """Base class of every error raised by jsparse."""
+
+
+class PlanError(JsparseError, ValueError):
+  """A plan cannot be built from the given tree or options (e.g. a capacity out of range)."""
+
+
+class PlanMismatchError(JsparseError, ValueError):
+  """A tree, delta or payload does not match the plan (structure, leaf shape or dtype)."""
+
+
+class PayloadError(JsparseError, ValueError):
+  """Bytes cannot be decoded: not a jsparse payload, corrupted, truncated or for another plan."""
+
+
+class VersionError(JsparseError, ValueError):
+  """A payload applies to another version than the receiver holds (missed, replayed, reordered)."""
+
+
+class IntegrityError(JsparseError, RuntimeError):
+  """The state reconstructed by a receiver does not match the digest the sender computed."""

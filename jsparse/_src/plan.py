@@ -1,0 +1,271 @@
+"""The static description of what is synchronized: :class:`Plan` and :func:`make_plan`.
+
+A plan is built once from the trainer's parameter tree (arrays or ``jax.ShapeDtypeStruct``) and
+fixes everything the jitted functions need to know statically: the leaves (paths, shapes, the
+trainer dtype and the rollout dtype each is cast to), how leaves are grouped into *segments*, and
+each segment's static capacity. A :class:`~jsparse.Delta` has shapes that depend on the plan only,
+so ``diff`` and ``apply`` compile once per plan.
+
+Segments: a leaf of at least ``bucket_size`` elements is a segment of its own; smaller leaves are
+pooled, in tree order, into shared segments of at most ``bucket_size`` elements (grouped by bit
+width), so a model with hundreds of small biases and norms costs a few segments, not hundreds.
+
+>>> import jax.numpy as jnp
+>>> params = {'w': jnp.zeros((256, 512)), 'b': jnp.zeros((512,))}
+>>> plan = make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.05)
+>>> [(s.size, s.capacity, len(s.leaf_ids)) for s in plan.segments]
+[(131072, 6554, 1), (512, 512, 1)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse._src import bits as bits_lib
+from jsparse._src.errors import PlanError, PlanMismatchError
+
+PyTree = Any
+RolloutDtype = Any  # None | dtype | Callable[[str, jax.ShapeDtypeStruct], dtype | None]
+
+MAX_SEGMENT_ELEMENTS = 2**31 - 1  # indices are int32 (jax without x64)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  """One leaf of the synchronized tree.
+
+  Attributes:
+    path: ``jax.tree_util.keystr`` of the leaf's path, used in every error message.
+    shape: the leaf's shape.
+    dtype: the trainer-side dtype (e.g. float32 masters).
+    rollout_dtype: the dtype the rollout holds (e.g. bfloat16); diff casts to it.
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  rollout_dtype: np.dtype
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """A flat run of leaves that is diffed and carried as one unit.
+
+  Attributes:
+    leaf_ids: indices into ``Plan.leaves`` of the leaves laid end to end in this segment.
+    offsets: start of each leaf inside the segment's flat index space.
+    size: number of elements in the segment.
+    capacity: static number of (index, value) slots a Delta holds for this segment.
+    bit_dtype: unsigned dtype of the rollout bit patterns of every leaf in the segment.
+  """
+
+  leaf_ids: tuple[int, ...]
+  offsets: tuple[int, ...]
+  size: int
+  capacity: int
+  bit_dtype: np.dtype
+
+  @property
+  def pooled(self) -> bool:
+    return len(self.leaf_ids) > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static, hashable description of a synchronized tree. Build it with :func:`make_plan`."""
+
+  treedef: Any
+  leaves: tuple[LeafSpec, ...]
+  segments: tuple[Segment, ...]
+  bucket_size: int
+
+  @functools.cached_property
+  def _hash(self) -> int:
+    return hash((self.treedef, self.leaves, self.segments, self.bucket_size))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  @functools.cached_property
+  def fingerprint(self) -> bytes:
+    """16 bytes that identify the plan's layout; payloads carry it so a receiver with another plan
+    refuses them."""
+    description = repr((str(self.treedef), self.leaves, self.segments, self.bucket_size))
+    return hashlib.blake2b(description.encode(), digest_size=16).digest()
+
+  @property
+  def num_elements(self) -> int:
+    return sum(leaf.size for leaf in self.leaves)
+
+  @property
+  def rollout_bytes(self) -> int:
+    """Bytes of the whole tree in rollout dtypes: what a dense bf16 (etc.) sync sends."""
+    return sum(leaf.size * leaf.rollout_dtype.itemsize for leaf in self.leaves)
+
+  def rollout_shapes(self) -> PyTree:
+    """The tree of ``jax.ShapeDtypeStruct`` the rollout side holds."""
+    return jax.tree.unflatten(
+        self.treedef, [jax.ShapeDtypeStruct(l.shape, l.rollout_dtype) for l in self.leaves])
+
+  def flatten(self, tree: PyTree, *, what: str, rollout_only: bool = False) -> list[Any]:
+    """Flattens ``tree`` in plan order, checking structure, shapes and dtypes.
+
+    Args:
+      tree: a tree with the plan's structure.
+      what: how to name the tree in errors (e.g. ``"new"``).
+      rollout_only: if true every leaf must have its rollout dtype; otherwise the trainer dtype
+        or the rollout dtype are both accepted.
+
+    Raises:
+      PlanMismatchError: naming the first leaf whose structure, shape or dtype differs.
+    """
+    flat_with_path, treedef = jax.tree.flatten_with_path(tree)
+    if treedef != self.treedef:
+      given = [jax.tree_util.keystr(p) for p, _ in flat_with_path]
+      expected = [leaf.path for leaf in self.leaves]
+      missing = [p for p in expected if p not in set(given)]
+      extra = [p for p in given if p not in set(expected)]
+      raise PlanMismatchError(
+          f"{what}: tree structure differs from the plan; missing leaves {missing[:5]}, "
+          f"unexpected leaves {extra[:5]} (plan has {len(expected)} leaves, got {len(given)}); "
+          f"plan treedef {self.treedef}, got {treedef}")
+    flat = []
+    for (_, value), leaf in zip(flat_with_path, self.leaves):
+      shape, dtype = tuple(np.shape(value)), np.dtype(getattr(value, "dtype", None)
+                                                      or np.asarray(value).dtype)
+      if shape != leaf.shape:
+        raise PlanMismatchError(
+            f"{what}: leaf {leaf.path} has shape {shape}, the plan expects {leaf.shape}")
+      allowed = (leaf.rollout_dtype,) if rollout_only else (leaf.dtype, leaf.rollout_dtype)
+      if dtype not in allowed:
+        names = " or ".join(sorted({str(d) for d in allowed}))
+        raise PlanMismatchError(
+            f"{what}: leaf {leaf.path} has dtype {dtype}, the plan expects {names}")
+      flat.append(value)
+    return flat
+
+  def cast(self, tree: PyTree) -> PyTree:
+    """Casts every leaf of ``tree`` to its rollout dtype (what the rollout side holds)."""
+    flat = self.flatten(tree, what="tree")
+    return jax.tree.unflatten(self.treedef, [
+        jnp.asarray(x).astype(leaf.rollout_dtype) for x, leaf in zip(flat, self.leaves)])
+
+  def leaf_segment(self) -> dict[int, tuple[int, int]]:
+    """Maps each leaf id to (segment id, offset in segment); zero-size leaves are absent."""
+    return {leaf_id: (seg_id, offset)
+            for seg_id, seg in enumerate(self.segments)
+            for leaf_id, offset in zip(seg.leaf_ids, seg.offsets)}
+
+
+def _resolve_rollout_dtype(rollout_dtype: RolloutDtype, path: str,
+                           struct: jax.ShapeDtypeStruct) -> np.dtype:
+  if callable(rollout_dtype) and not isinstance(rollout_dtype, (type, np.dtype)):
+    chosen = rollout_dtype(path, struct)
+    return np.dtype(struct.dtype if chosen is None else chosen)
+  if rollout_dtype is None or not jnp.issubdtype(struct.dtype, jnp.floating):
+    return np.dtype(struct.dtype)
+  return np.dtype(rollout_dtype)
+
+
+def _capacity(capacity: float | int, size: int, name: str) -> int:
+  if isinstance(capacity, bool) or not isinstance(capacity, (int, float, np.integer, np.floating)):
+    raise PlanError(f"{name} must be a fraction in (0, 1] or a positive count, got {capacity!r}")
+  if isinstance(capacity, (int, np.integer)):
+    if capacity < 1:
+      raise PlanError(f"{name} as a count must be >= 1, got {capacity}")
+    return min(size, int(capacity))
+  if not 0.0 < capacity <= 1.0:
+    raise PlanError(f"{name} as a fraction must be in (0, 1], got {capacity}")
+  return min(size, max(1, math.ceil(capacity * size)))
+
+
+def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: float | int = 0.05,
+              pooled_capacity: float | int = 1.0, bucket_size: int = 2**16) -> Plan:
+  """Builds the static plan that ``diff``, ``apply``, ``Sender`` and ``Receiver`` share.
+
+  Args:
+    tree: the trainer's parameter tree: arrays or ``jax.ShapeDtypeStruct`` leaves, in any pytree
+      (dicts, ``flax.nnx.State``, Linen param dicts, dataclasses).
+    rollout_dtype: the dtype the rollout holds. ``None`` keeps every leaf's dtype; a dtype (e.g.
+      ``jnp.bfloat16``) applies to floating leaves (integer and bool leaves keep theirs); a callable
+      ``(path, ShapeDtypeStruct) -> dtype | None`` chooses per leaf.
+    capacity: static slots per unpooled segment (one large leaf), as a fraction of its elements
+      in (0, 1] or as a count. Updates denser than this overflow and are carried densely.
+    pooled_capacity: the same for segments that pool small leaves. Small leaves (biases, norms)
+      change far more often than large matrices, and a pool is small, so the default carries every
+      element.
+    bucket_size: leaves smaller than this are pooled into shared segments of at most this size.
+
+  Returns:
+    A hashable :class:`Plan`.
+
+  Raises:
+    PlanError: for an unsupported dtype, a leaf over 2**31 - 1 elements or a bad option.
+  """
+  if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+    raise PlanError(f"bucket_size must be a positive int, got {bucket_size!r}")
+  flat_with_path, treedef = jax.tree.flatten_with_path(tree)
+  leaves = []
+  for path, value in flat_with_path:
+    name = jax.tree_util.keystr(path)
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+      raise PlanError(f"leaf {name} is a typed PRNG key; unwrap it with jax.random.key_data")
+    if dtype is None:
+      value = np.asarray(value)
+    struct = jax.ShapeDtypeStruct(tuple(np.shape(value)), np.dtype(value.dtype))
+    target = _resolve_rollout_dtype(rollout_dtype, name, struct)
+    for label, d in (("dtype", struct.dtype), ("rollout dtype", target)):
+      if not bits_lib.is_supported_dtype(d):
+        raise PlanError(f"leaf {name} has unsupported {label} {d}")
+    leaf = LeafSpec(name, struct.shape, np.dtype(struct.dtype), target)
+    if leaf.size > MAX_SEGMENT_ELEMENTS:
+      raise PlanError(
+          f"leaf {name} has {leaf.size} elements, more than {MAX_SEGMENT_ELEMENTS} (int32 "
+          "indices); split it into several leaves")
+    leaves.append(leaf)
+  return Plan(treedef, tuple(leaves),
+              _segments(leaves, capacity, pooled_capacity, bucket_size), bucket_size)
+
+
+def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity: float | int,
+              bucket_size: int) -> tuple[Segment, ...]:
+  _capacity(capacity, 1, "capacity")  # validate even when no leaf uses it
+  _capacity(pooled_capacity, 1, "pooled_capacity")
+  segments: list[Segment] = []
+  open_pools: dict[np.dtype, list[int]] = {}
+
+  def close(pool: list[int], width: np.dtype) -> None:
+    offsets = tuple(np.cumsum([0] + [leaves[i].size for i in pool[:-1]]).tolist())
+    size = sum(leaves[i].size for i in pool)
+    cap = capacity if len(pool) == 1 and size >= bucket_size else pooled_capacity
+    segments.append(Segment(tuple(pool), offsets, size, _capacity(cap, size, "capacity"), width))
+
+  for leaf_id, leaf in enumerate(leaves):
+    if leaf.size == 0:
+      continue
+    width = bits_lib.bit_dtype(leaf.rollout_dtype)
+    if leaf.size >= bucket_size:
+      close([leaf_id], width)
+      continue
+    pool = open_pools.setdefault(width, [])
+    if pool and sum(leaves[i].size for i in pool) + leaf.size > bucket_size:
+      close(pool, width)
+      pool = open_pools[width] = []
+    pool.append(leaf_id)
+  for width, pool in open_pools.items():
+    if pool:
+      close(pool, width)
+  return tuple(segments)

@@ -1,0 +1,219 @@
+"""End-to-end sync: :class:`Sender` (trainer side) and :class:`Receiver` (rollout side).
+
+The sender keeps the last synced state in rollout dtypes; each ``send`` diffs the new params
+against it in one jitted step (which also produces the next snapshot and its digest), moves the
+small fixed-size Delta to the host, carries overflowed segments densely and serializes. The
+receiver validates the whole payload before touching anything, then applies it with its params
+donated (in place) and checks the digest of the result against the sender's.
+
+>>> import jax.numpy as jnp, jsparse
+>>> params = {'w': jnp.zeros((1000,), jnp.float32)}
+>>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+>>> sender = jsparse.Sender(plan, params)
+>>> receiver = jsparse.Receiver(plan, plan.cast(params))
+>>> new = {'w': params['w'].at[7].set(1.0)}
+>>> data = sender.send(new)
+>>> float(receiver.receive(data)['w'][7]), receiver.version
+(1.0, 1)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse._src import bits as bits_lib
+from jsparse._src import wire
+from jsparse._src.delta import Delta, apply_flat, diff_flat
+from jsparse._src.digest import bits_digest
+from jsparse._src.errors import IntegrityError, VersionError
+from jsparse._src.plan import Plan
+
+PyTree = Any
+
+
+def _cast_flat(plan: Plan, flat: list) -> list[jax.Array]:
+  return [jnp.asarray(x).astype(leaf.rollout_dtype) for x, leaf in zip(flat, plan.leaves)]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _snapshot(plan: Plan, flat: list) -> tuple[list[jax.Array], jax.Array]:
+  snapshot = _cast_flat(plan, flat)
+  return snapshot, bits_digest(snapshot)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _sender_step(plan: Plan, snapshot: list, new: list) -> tuple[Delta, list, jax.Array]:
+  delta = diff_flat(plan, snapshot, new)
+  next_snapshot = _cast_flat(plan, new)
+  return delta, next_snapshot, bits_digest(next_snapshot)
+
+
+def _apply_and_digest(plan: Plan, flat: list, delta: Delta) -> tuple[list, jax.Array]:
+  out = apply_flat(plan, flat, delta)
+  return out, bits_digest(out)
+
+
+_apply_donated = jax.jit(_apply_and_digest, static_argnums=0, donate_argnums=1)
+_apply_copying = jax.jit(_apply_and_digest, static_argnums=0)
+_digest = jax.jit(bits_digest)
+
+
+def _digest_bytes(digest: jax.Array) -> bytes:
+  return np.asarray(digest, np.uint32).astype("<u4").tobytes()
+
+
+def _segment_host_bits(plan: Plan, segment_id: int, flat: list) -> np.ndarray:
+  seg = plan.segments[segment_id]
+  parts = [bits_lib.np_to_bits(np.asarray(flat[i])).reshape(-1) for i in seg.leaf_ids]
+  return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class Sender:
+  """Trainer side of a sync: turns successive params into payloads for a :class:`Receiver`.
+
+  Args:
+    plan: from :func:`jsparse.make_plan`.
+    params: the params the receiver starts from (version 0), in trainer or rollout dtypes.
+    anchor_every: if set, every ``anchor_every``-th version is sent as a full (dense) anchor.
+  """
+
+  def __init__(self, plan: Plan, params: PyTree, *, anchor_every: int | None = None):
+    if anchor_every is not None and (not isinstance(anchor_every, int) or anchor_every < 1):
+      raise ValueError(f"anchor_every must be a positive int or None, got {anchor_every!r}")
+    self.plan = plan
+    self.version = 0
+    self.anchor_every = anchor_every
+    self._snapshot, digest = _snapshot(plan, plan.flatten(params, what="params"))
+    self._digest = _digest_bytes(digest)
+    self.last_stats: dict[str, Any] = {}
+
+  @property
+  def snapshot(self) -> PyTree:
+    """The last synced state, in rollout dtypes (what the receiver holds)."""
+    return jax.tree.unflatten(self.plan.treedef, self._snapshot)
+
+  def send(self, params: PyTree, *, full: bool = False) -> bytes:
+    """Returns the payload that brings a receiver from the current version to the next.
+
+    Args:
+      params: the new params (trainer or rollout dtypes, the plan's structure and shapes).
+      full: send a dense anchor that a receiver accepts on any base version.
+    """
+    plan = self.plan
+    flat = plan.flatten(params, what="params")
+    delta, snapshot, digest = _sender_step(plan, self._snapshot, flat)
+    self._snapshot = snapshot
+    delta = jax.device_get(delta)
+    version = self.version + 1
+    full = full or (self.anchor_every is not None and version % self.anchor_every == 0)
+    segments = []
+    for s, seg in enumerate(plan.segments):
+      if full or delta.overflow[s]:
+        segments.append(wire.SegmentPayload(wire.DENSE, None,
+                                            _segment_host_bits(plan, s, snapshot)))
+        continue
+      count = int(delta.counts[s])
+      segments.append(wire.SegmentPayload(wire.sparse_mode(seg.size, count),
+                                          delta.indices[s][:count], delta.values[s][:count]))
+    new_digest = _digest_bytes(digest)
+    payload = wire.Payload(wire.ANCHOR if full else wire.DELTA, self.version, version,
+                           self._digest, new_digest, tuple(segments))
+    data = wire.encode(plan, payload)
+    self.version, self._digest = version, new_digest
+    self.last_stats = {
+        "version": version, "changed": int(np.sum(delta.counts)),
+        "elements": plan.num_elements, "payload_bytes": len(data),
+        "dense_bytes": plan.rollout_bytes, "overflowed_segments": int(np.sum(delta.overflow)),
+        "anchor": full}
+    return data
+
+
+class Receiver:
+  """Rollout side of a sync: applies payloads from a :class:`Sender` to its params.
+
+  The receiver owns ``params``: with ``donate=True`` (the default) each receive updates the
+  arrays in place, and arrays handed in earlier must not be used afterwards. Each leaf keeps the
+  sharding of the array it was given.
+
+  Args:
+    plan: the sender's plan.
+    params: the rollout params at ``version``, in the plan's rollout dtypes.
+    version: the version ``params`` hold.
+    donate: update params in place (buffer donation).
+  """
+
+  def __init__(self, plan: Plan, params: PyTree, *, version: int = 0, donate: bool = True):
+    self.plan = plan
+    self.version = version
+    self._flat = [jnp.asarray(x) for x in plan.flatten(params, what="params", rollout_only=True)]
+    self._apply = _apply_donated if donate else _apply_copying
+    self._digest = _digest_bytes(_digest(self._flat))
+
+  @property
+  def params(self) -> PyTree:
+    """The current rollout params."""
+    return jax.tree.unflatten(self.plan.treedef, self._flat)
+
+  def receive(self, data: bytes) -> PyTree:
+    """Applies a payload and returns the new params.
+
+    Raises:
+      PayloadError: the bytes are corrupt, truncated, or for another plan.
+      VersionError: a delta for another base version (missed, replayed or reordered).
+      IntegrityError: the receiver's state is not the one the delta was computed against.
+      In all three cases nothing was changed.
+    """
+    plan = self.plan
+    payload = wire.decode(plan, data)
+    if payload.kind == wire.DELTA:
+      if payload.base_version != self.version:
+        raise VersionError(f"payload turns version {payload.base_version} into "
+                           f"{payload.version}, but this receiver holds version {self.version}")
+      if payload.base_digest != self._digest:
+        raise IntegrityError(f"this receiver's params differ from the sender's version "
+                             f"{self.version}: resync with an anchor (sender.send(p, full=True))")
+    dense = {s: p.values for s, p in enumerate(payload.segments) if p.mode == wire.DENSE}
+    if len(dense) == len(plan.segments):
+      flat = self._replace_dense(list(self._flat), dense)
+      digest = _digest(flat)
+    else:
+      flat, digest = self._apply(plan, self._flat, self._padded_delta(payload))
+      if dense:
+        flat = self._replace_dense(flat, dense)
+        digest = _digest(flat)
+    self._flat = flat  # donated buffers are gone: commit whatever the check says
+    if _digest_bytes(digest) != payload.new_digest:
+      raise IntegrityError(f"version {payload.version} reconstructed with a digest that differs "
+                           "from the sender's; request an anchor")
+    self.version, self._digest = payload.version, payload.new_digest
+    return self.params
+
+  def _padded_delta(self, payload: wire.Payload) -> Delta:
+    indices, values, counts = [], [], []
+    for seg, part in zip(self.plan.segments, payload.segments):
+      idx = np.full(seg.capacity, seg.size, np.int32)
+      val = np.zeros(seg.capacity, seg.bit_dtype)
+      if part.mode != wire.DENSE:
+        idx[:len(part.indices)] = part.indices
+        val[:len(part.values)] = part.values
+      indices.append(idx)
+      values.append(val)
+      counts.append(0 if part.mode == wire.DENSE else len(part.indices))
+    counts = np.array(counts, np.int32)
+    return Delta(tuple(indices), tuple(values), counts, np.zeros(counts.shape, bool))
+
+  def _replace_dense(self, flat: list, dense: dict[int, np.ndarray]) -> list:
+    for s, seg_bits in dense.items():
+      seg = self.plan.segments[s]
+      for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
+        leaf = self.plan.leaves[leaf_id]
+        host = bits_lib.np_from_bits(seg_bits[offset:offset + leaf.size], leaf.rollout_dtype)
+        flat[leaf_id] = jax.device_put(host.reshape(leaf.shape), self._flat[leaf_id].sharding)
+    return flat
+
+

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# jsparse's two entry points; each sets up everything it needs on a fresh machine.
+#   bash run.sh demo [--help | demo options]   the main job: train a small Flax model, sync it
+#   bash run.sh test [pytest options]          the test suite
+# The virtual environment lives in .venv (override with JSPARSE_VENV); the interpreter is the
+# first of $JSPARSE_PYTHON, python3.13, python3.12, python3, pyenv's 3.12/3.13 that really runs
+# and is >= 3.12 (jax 0.12 needs it; an older Python silently gets an older jax).
+set -euo pipefail
+cd "$(dirname "$0")"
+venv="${JSPARSE_VENV:-.venv}"
+
+runs_312() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; }
+
+find_python() {
+  local candidates=()
+  [ -n "${JSPARSE_PYTHON:-}" ] && candidates+=("$JSPARSE_PYTHON")
+  candidates+=(python3.13 python3.12 python3)
+  if command -v pyenv >/dev/null 2>&1; then
+    for d in "$(pyenv root)"/versions/3.1[2-9]*; do [ -x "$d/bin/python3" ] && candidates+=("$d/bin/python3"); done
+  fi
+  for d in /usr/local/bin /usr/bin /opt/homebrew/bin; do
+    for v in 3.13 3.12; do [ -x "$d/python$v" ] && candidates+=("$d/python$v"); done
+  done
+  for c in "${candidates[@]}"; do
+    if runs_312 "$c"; then command -v "$c" 2>/dev/null || echo "$c"; return 0; fi
+  done
+  echo "jsparse needs Python >= 3.12 (jax 0.12); none found. Set JSPARSE_PYTHON." >&2
+  return 1
+}
+
+setup() {
+  if [ ! -x "$venv/bin/python" ] || ! runs_312 "$venv/bin/python"; then
+    local py; py=$(find_python)
+    echo "setting up $venv with $py" >&2
+    rm -rf "$venv"
+    "$py" -m venv "$venv"
+  fi
+  local stamp="$venv/.jsparse-installed" want
+  want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
+    "$venv/bin/python" -m pip install --quiet -e ".[test]" >&2
+    echo "$want" > "$stamp"
+  fi
+}
+
+cmd="${1:-}"; shift || true
+case "$cmd" in
+  demo) setup; exec "$venv/bin/python" -m jsparse.demo "$@" ;;
+  test) setup; exec "$venv/bin/python" -m pytest "$@" ;;
+  *) echo "usage: bash run.sh demo|test [options]" >&2; exit 2 ;;
+esac
