@@ -1,0 +1,177 @@
+"""diff / apply: bit-exactness, static shapes, overflow flags, errors, one compilation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jsparse
+from jsparse.testing import assert_trees_bitwise_equal, special_values
+from tests import strategies
+
+
+def _bits(x):
+  return jsparse._src.bits.np_to_bits(np.asarray(x))
+
+
+def _roundtrip(plan, base, new):
+  delta = jsparse.diff(plan, base, new)
+  return delta, jsparse.apply(plan, plan.cast(base), delta)
+
+
+@pytest.mark.parametrize("dtype", strategies.FLOAT_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_special_values_are_changes_and_roundtrip(dtype):
+  specials = special_values(dtype)
+  base = {"x": jnp.asarray(np.concatenate([specials, specials]))}
+  # Each special value replaced by the next one: every flip (+0 <-> -0, NaN payloads) counts.
+  new = {"x": jnp.asarray(np.concatenate([np.roll(specials, 1), specials]))}
+  plan = jsparse.make_plan(base)
+  delta, out = _roundtrip(plan, base, new)
+  expected = int(np.sum(_bits(base["x"]) != _bits(new["x"])))
+  assert expected == len(specials)
+  assert int(delta.counts.sum()) == expected
+  assert_trees_bitwise_equal(out, new)
+
+
+def test_negative_zero_is_a_change_that_float_compare_misses():
+  base, new = {"x": jnp.zeros(4)}, {"x": jnp.array([0.0, -0.0, 0.0, 0.0])}
+  assert bool(jnp.all(base["x"] == new["x"]))  # float == says equal ...
+  plan = jsparse.make_plan(base)
+  delta, out = _roundtrip(plan, base, new)
+  assert delta.counts.tolist() == [1]  # ... jsparse sees the sign bit
+  assert _bits(out["x"]).tolist() == [0, 2**31, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", strategies.ALL_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.5, 1.0])
+def test_each_dtype_roundtrips_at_any_density(dtype, density):
+  rng = np.random.default_rng(0)
+  base = {"big": strategies.random_bits(rng, (300, 257), dtype),
+          "small": strategies.random_bits(rng, (5,), dtype),
+          "scalar": strategies.random_bits(rng, (), dtype)}
+  new = {k: strategies.perturb(rng, v, density) for k, v in base.items()}
+  plan = jsparse.make_plan(base, capacity=1.0, bucket_size=1024)
+  delta, out = _roundtrip(plan, base, new)
+  assert not bool(delta.overflow.any())
+  assert_trees_bitwise_equal(out, new)
+
+
+def test_fp32_masters_are_cast_to_bf16_inside_diff():
+  rng = np.random.default_rng(1)
+  base = {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.float32)}
+  new = {"w": base["w"] + jnp.asarray(rng.normal(size=(64, 64)) * 1e-3, jnp.float32)}
+  plan = jsparse.make_plan(base, rollout_dtype=jnp.bfloat16, capacity=1.0)
+  delta, out = _roundtrip(plan, base, new)
+  assert out["w"].dtype == jnp.bfloat16 and delta.values[0].dtype == jnp.uint16
+  assert_trees_bitwise_equal(out, plan.cast(new))
+  changed = int(np.sum(_bits(plan.cast(base)["w"]) != _bits(plan.cast(new)["w"])))
+  assert int(delta.counts[0]) == changed < 64 * 64  # updates below half an ulp vanish
+
+
+def test_float64_with_x64():
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(2)
+    base = {"w": strategies.random_bits(rng, (100,), np.float64)}
+    new = {"w": strategies.perturb(rng, base["w"], 0.3)}
+    plan = jsparse.make_plan(base)
+    delta, out = _roundtrip(plan, base, new)
+    assert delta.values[0].dtype == jnp.uint64
+    assert_trees_bitwise_equal(out, new)
+
+
+def test_zero_size_leaves_and_empty_tree():
+  base = {"empty": jnp.zeros((0, 3)), "w": jnp.zeros(3)}
+  new = {"empty": jnp.zeros((0, 3)), "w": jnp.ones(3)}
+  plan = jsparse.make_plan(base)
+  _, out = _roundtrip(plan, base, new)
+  assert_trees_bitwise_equal(out, new)
+  empty_plan = jsparse.make_plan({})
+  assert jsparse.apply(empty_plan, {}, jsparse.diff(empty_plan, {}, {})) == {}
+
+
+def test_delta_shapes_depend_only_on_the_plan():
+  rng = np.random.default_rng(3)
+  base = {"a": strategies.random_bits(rng, (1000,), np.float32),
+          "b": strategies.random_bits(rng, (10,), np.float16)}
+  plan = jsparse.make_plan(base, capacity=0.1, bucket_size=100)
+  def shapes(density):
+    new = {k: strategies.perturb(rng, v, density) for k, v in base.items()}
+    return jax.tree.map(lambda x: (x.shape, x.dtype), jsparse.diff(plan, base, new))
+
+  assert shapes(0.0) == shapes(0.05) == shapes(1.0)
+
+
+def test_overflow_is_flagged_with_the_true_count_and_first_positions():
+  base = {"w": jnp.zeros(1000)}
+  new = {"w": jnp.ones(1000).at[::2].set(0.0)}  # 500 changes
+  plan = jsparse.make_plan(base, capacity=0.1, bucket_size=100)  # 100 slots
+  delta = jsparse.diff(plan, base, new)
+  assert delta.overflow.tolist() == [True] and delta.counts.tolist() == [500]
+  assert delta.indices[0].tolist() == list(range(1, 200, 2))
+  under = jsparse.diff(plan, base, {"w": jnp.zeros(1000).at[:100].set(1.0)})
+  assert under.overflow.tolist() == [False] and under.counts.tolist() == [100]
+
+
+@settings(max_examples=60)
+@given(strategies.trees_and_updates(),
+       st.sampled_from([1.0, 0.5, 0.05, 3]), st.sampled_from([1, 64, 4096]))
+def test_random_trees_roundtrip_exactly_unless_flagged(pair, capacity, bucket_size):
+  base, new = pair
+  plan = jsparse.make_plan(base, capacity=capacity, bucket_size=bucket_size)
+  delta, out = _roundtrip(plan, base, new)
+  expected_counts = []
+  for seg in plan.segments:
+    old = np.concatenate([_bits(base[plan.leaves[i].path[2:-2]]).reshape(-1)
+                          for i in seg.leaf_ids])
+    now = np.concatenate([_bits(new[plan.leaves[i].path[2:-2]]).reshape(-1)
+                          for i in seg.leaf_ids])
+    expected_counts.append(int(np.sum(old != now)))
+  assert delta.counts.tolist() == expected_counts
+  caps = [s.capacity for s in plan.segments]
+  assert delta.overflow.tolist() == [c > k for c, k in zip(expected_counts, caps)]
+  if not bool(np.any(delta.overflow)):
+    assert_trees_bitwise_equal(out, new)
+
+
+def test_structure_shape_and_dtype_errors_name_the_leaf():
+  plan = jsparse.make_plan({"layer": {"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}},
+                           rollout_dtype=jnp.bfloat16)
+  good = {"layer": {"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}}
+  with pytest.raises(jsparse.PlanMismatchError, match=r"missing leaves \[\"\['layer'\]\['b'\]"):
+    jsparse.diff(plan, good, {"layer": {"w": jnp.zeros((4, 4))}})
+  with pytest.raises(jsparse.PlanMismatchError, match=r"\['layer'\]\['w'\] has shape \(4, 5\)"):
+    jsparse.diff(plan, good, {"layer": {"w": jnp.zeros((4, 5)), "b": jnp.zeros(4)}})
+  with pytest.raises(jsparse.PlanMismatchError, match=r"\['layer'\]\['b'\] has dtype int32"):
+    jsparse.diff(plan, good, {"layer": {"w": jnp.zeros((4, 4)), "b": jnp.zeros(4, jnp.int32)}})
+  delta = jsparse.diff(plan, good, good)
+  with pytest.raises(jsparse.PlanMismatchError, match="expects bfloat16"):
+    jsparse.apply(plan, good, delta)  # apply needs rollout dtypes
+  bad = delta._replace(values=(delta.values[0].astype(jnp.uint32),))
+  with pytest.raises(jsparse.PlanMismatchError, match="segment 0.*values"):
+    jsparse.apply(plan, plan.cast(good), bad)
+
+
+def test_one_compilation_per_plan():
+  rng = np.random.default_rng(4)
+  base = {"w": jnp.asarray(rng.normal(size=(128, 128)), jnp.float32), "b": jnp.zeros(128)}
+  plan = jsparse.make_plan(base, rollout_dtype=jnp.bfloat16, capacity=0.2)
+  rollout = plan.cast(base)
+  diffs, applies = jsparse.diff._cache_size(), jsparse.apply._cache_size()
+  for step in range(4):
+    new = jax.tree.map(lambda x: x + 1e-2 * step, base)
+    rollout = jsparse.apply(plan, rollout, jsparse.diff(plan, base, new))
+  assert jsparse.diff._cache_size() == diffs + 1
+  assert jsparse.apply._cache_size() == applies + 1
+
+
+def test_apply_with_donation_updates_in_place():
+  base = {"w": jnp.zeros(10000, jnp.bfloat16)}
+  new = {"w": base["w"].at[5].set(3.0)}
+  plan = jsparse.make_plan(base)
+  delta = jsparse.diff(plan, base, new)
+  inplace = jax.jit(jsparse.apply, static_argnums=0, donate_argnums=1)
+  rollout = {"w": jnp.zeros(10000, jnp.bfloat16)}
+  out = inplace(plan, rollout, delta)
+  assert rollout["w"].is_deleted()
+  assert_trees_bitwise_equal(out, new)

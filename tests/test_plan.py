@@ -1,0 +1,87 @@
+"""make_plan: segments, capacities, rollout dtypes and clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jsparse
+
+
+def test_large_leaves_get_own_segments_small_ones_are_pooled():
+  tree = {"big": jnp.zeros((300, 300)), **{f"b{i:02d}": jnp.zeros((100,)) for i in range(43)}}
+  plan = jsparse.make_plan(tree, bucket_size=1000, capacity=0.01)
+  sizes = sorted((s.size, len(s.leaf_ids)) for s in plan.segments)
+  assert sizes == [(300, 3)] + [(1000, 10)] * 4 + [(90000, 1)]
+  big = [s for s in plan.segments if s.size == 90000][0]
+  assert big.capacity == 900
+  assert all(s.capacity == s.size for s in plan.segments if s.pooled)
+
+
+def test_pools_are_per_bit_width_and_cover_every_leaf_once():
+  tree = {"a": jnp.zeros(3, jnp.int8), "b": jnp.zeros(3, jnp.float32), "c": jnp.zeros(3, bool),
+          "d": jnp.zeros((), jnp.float16), "e": jnp.zeros((0, 4))}
+  plan = jsparse.make_plan(tree)
+  widths = {np.dtype(s.bit_dtype).itemsize: len(s.leaf_ids) for s in plan.segments}
+  assert widths == {1: 2, 4: 1, 2: 1}
+  covered = sorted(i for s in plan.segments for i in s.leaf_ids)
+  assert covered == [0, 1, 2, 3]  # the zero-size leaf needs no segment
+
+
+@pytest.mark.parametrize("capacity, expected", [(0.5, 50), (1.0, 100), (7, 7), (10**6, 100),
+                                                (1e-9, 1)])
+def test_capacity_fraction_or_count(capacity, expected):
+  plan = jsparse.make_plan({"w": jnp.zeros(100)}, capacity=capacity, bucket_size=10)
+  assert plan.segments[0].capacity == expected
+
+
+@pytest.mark.parametrize("capacity", [0, -1, 0.0, 1.5, -0.1, "0.1", True, None])
+def test_capacity_out_of_range_is_refused(capacity):
+  with pytest.raises(jsparse.PlanError, match="capacity"):
+    jsparse.make_plan({"w": jnp.zeros(100)}, capacity=capacity)
+
+
+def test_rollout_dtype_applies_to_floats_only_or_per_leaf():
+  tree = {"w": jnp.zeros(4), "step": jnp.zeros((), jnp.int32), "norm": jnp.zeros(4)}
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16)
+  by_path = {l.path: str(l.rollout_dtype) for l in plan.leaves}
+  assert by_path == {"['norm']": "bfloat16", "['step']": "int32", "['w']": "bfloat16"}
+  keep_norms = jsparse.make_plan(
+      tree, rollout_dtype=lambda path, x: None if "norm" in path else jnp.float16)
+  by_path = {l.path: str(l.rollout_dtype) for l in keep_norms.leaves}
+  assert by_path == {"['norm']": "float32", "['step']": "float16", "['w']": "float16"}
+
+
+def test_plan_from_shape_structs_equals_plan_from_arrays_and_is_hashable():
+  tree = {"w": jnp.zeros((8, 8)), "b": jnp.zeros(8)}
+  structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+  a, b = jsparse.make_plan(tree, bucket_size=16), jsparse.make_plan(structs, bucket_size=16)
+  assert a == b and hash(a) == hash(b) and a.fingerprint == b.fingerprint
+  assert jsparse.make_plan(tree, capacity=0.1, bucket_size=16).fingerprint != a.fingerprint
+
+
+def test_plan_from_nnx_state():
+  model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  plan = jsparse.make_plan(nnx.state(model, nnx.Param), rollout_dtype=jnp.bfloat16)
+  assert sorted(l.shape for l in plan.leaves) == [(3,), (4, 3)]
+
+
+def test_huge_leaf_is_refused_clearly():
+  with pytest.raises(jsparse.PlanError, match=r"\['emb'\].*2147483647"):
+    jsparse.make_plan({"emb": jax.ShapeDtypeStruct((2**16, 2**15), jnp.bfloat16)})
+
+
+def test_typed_prng_key_is_refused_with_advice():
+  with pytest.raises(jsparse.PlanError, match="key_data"):
+    jsparse.make_plan({"rng": jax.random.key(0)})
+
+
+def test_unsupported_dtype_is_refused():
+  with pytest.raises(jsparse.PlanError, match=r"\['c'\].*complex64"):
+    jsparse.make_plan({"c": jnp.zeros(3, jnp.complex64)})
+
+
+def test_bucket_size_must_be_positive():
+  with pytest.raises(jsparse.PlanError, match="bucket_size"):
+    jsparse.make_plan({"w": jnp.zeros(3)}, bucket_size=0)
