@@ -36,6 +36,16 @@ from jsparse._src.plan import Plan
 PyTree = Any
 
 
+def _committed(flat: list) -> list[jax.Array]:
+  """Commits every leaf to where it is (no copy for jax arrays; numpy goes to the default device).
+
+  jit caches by committedness too: committing up front keeps later calls, whose inputs are jit
+  outputs or ``device_put`` results (committed), on the first compilation.
+  """
+  return [jax.device_put(x, x.sharding) if isinstance(x, jax.Array)
+          else jax.device_put(x, jax.devices()[0]) for x in flat]
+
+
 def _cast_flat(plan: Plan, flat: list) -> list[jax.Array]:
   return [jnp.asarray(x).astype(leaf.rollout_dtype) for x, leaf in zip(flat, plan.leaves)]
 
@@ -88,7 +98,7 @@ class Sender:
     self.plan = plan
     self.version = 0
     self.anchor_every = anchor_every
-    self._snapshot, digest = _snapshot(plan, plan.flatten(params, what="params"))
+    self._snapshot, digest = _snapshot(plan, _committed(plan.flatten(params, what="params")))
     self._digest = _digest_bytes(digest)
     self.last_stats: dict[str, Any] = {}
 
@@ -105,7 +115,7 @@ class Sender:
       full: send a dense anchor that a receiver accepts on any base version.
     """
     plan = self.plan
-    flat = plan.flatten(params, what="params")
+    flat = _committed(plan.flatten(params, what="params"))
     delta, snapshot, digest = _sender_step(plan, self._snapshot, flat)
     self._snapshot = snapshot
     delta = jax.device_get(delta)
@@ -150,7 +160,7 @@ class Receiver:
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0, donate: bool = True):
     self.plan = plan
     self.version = version
-    self._flat = [jnp.asarray(x) for x in plan.flatten(params, what="params", rollout_only=True)]
+    self._flat = _committed(plan.flatten(params, what="params", rollout_only=True))
     self._apply = _apply_donated if donate else _apply_copying
     self._digest = _digest_bytes(_digest(self._flat))
 
