@@ -38,8 +38,12 @@ setup() {
   local stamp="$venv/.jsparse-installed" want
   want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-    "$venv/bin/python" -m pip install --quiet -e ".[test]" >&2
+    echo "installing jsparse and its dependencies into $venv (log: $venv/install.log)" >&2
+    if ! { "$venv/bin/python" -m pip install --upgrade pip &&
+           "$venv/bin/python" -m pip install -e ".[test]"; } >"$venv/install.log" 2>&1; then
+      tail -n 30 "$venv/install.log" >&2
+      exit 1
+    fi
     echo "$want" > "$stamp"
   fi
 }
