@@ -5,9 +5,10 @@ Layout, little-endian::
   header   magic "JSPS" | format u8 | kind u8 | reserved u16 | plan fingerprint 16B
            | base version u64 | version u64 | base digest 8B | new digest 8B | segments u32
   segment  mode u8 | count u32 | positions | values
-           mode EMPTY: nothing; LIST: ``count`` indices (uint16 when the segment has at most
-           65536 elements, else uint32) then ``count`` values; BITMAP: ceil(size/8) bytes of
-           little-endian bits then ``count`` values; DENSE: ``size`` values.
+           mode EMPTY: nothing; LIST: per 65536-element chunk of the segment the number of its
+           changes (u32), then each change's index within its chunk (u16), then ``count``
+           values; BITMAP: ceil(size/8) bytes of little-endian bits then ``count`` values;
+           DENSE: ``size`` values.
   trailer  crc32 of everything before it, u32
 
 Values are the rollout bit patterns (unsigned ints of the leaf's width). The sender picks the
@@ -41,6 +42,7 @@ EMPTY, LIST, BITMAP, DENSE = 0, 1, 2, 3
 _HEADER = struct.Struct("<4sBBH16sQQ8s8sI")
 _RECORD = struct.Struct("<BI")
 _CRC = struct.Struct("<I")
+_CHUNK_BITS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,8 @@ def encode(plan: Plan, payload: Payload) -> bytes:
     mode = part.mode if count else EMPTY
     chunks.append(_RECORD.pack(mode, count))
     if mode == LIST:
-      chunks.append(part.indices.astype(_index_dtype(seg.size)).tobytes())
+      per_chunk = np.bincount(part.indices >> _CHUNK_BITS, minlength=_num_chunks(seg.size))
+      chunks += [per_chunk.astype("<u4").tobytes(), part.indices.astype("<u2").tobytes()]
     elif mode == BITMAP:
       mask = np.zeros(seg.size, bool)
       mask[part.indices] = True
@@ -91,11 +94,11 @@ def encode(plan: Plan, payload: Payload) -> bytes:
 
 def sparse_mode(size: int, count: int) -> int:
   """The cheaper position coding for ``count`` changes among ``size`` elements."""
-  return LIST if count * _index_dtype(size).itemsize <= (size + 7) // 8 else BITMAP
+  return LIST if 2 * count + 4 * _num_chunks(size) <= (size + 7) // 8 else BITMAP
 
 
-def _index_dtype(size: int) -> np.dtype:
-  return np.dtype("<u2") if size <= 2**16 else np.dtype("<u4")
+def _num_chunks(size: int) -> int:
+  return -(-size // (1 << _CHUNK_BITS))
 
 
 class _Reader:
@@ -170,7 +173,11 @@ def _decode_segment(reader: _Reader, plan: Plan, s: int) -> SegmentPayload:
   if count > seg.capacity:
     raise PayloadError(f"{where}: {count} changes exceed the capacity {seg.capacity}")
   if mode == LIST:
-    indices = reader.array(_index_dtype(seg.size), count, where).astype(np.int32)
+    per_chunk = reader.array(np.uint32, _num_chunks(seg.size), where)
+    if int(per_chunk.sum(dtype=np.int64)) != count:
+      raise PayloadError(f"{where}: chunk counts add up to {per_chunk.sum()}, not {count}")
+    low = reader.array(np.uint16, count, where).astype(np.int32)
+    indices = np.repeat(np.arange(len(per_chunk), dtype=np.int32), per_chunk) << _CHUNK_BITS | low
     if count and (indices[-1] >= seg.size or np.any(np.diff(indices) <= 0)):
       raise PayloadError(f"{where}: indices out of range, unsorted or repeated")
   elif mode == BITMAP:
