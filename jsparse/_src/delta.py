@@ -123,10 +123,26 @@ def check_delta(plan: Plan, delta: Delta) -> None:
             f"expects {dtype}[{seg.capacity}]")
 
 
+def _scatter_natively(dtype: np.dtype) -> bool:
+  """Whether to scatter in the leaf's own dtype rather than in its bits.
+
+  A native scatter into a donated buffer is in place; going through the bits costs a full copy
+  on CPU, where bitcast-convert is not free. But XLA emulates float8 by converting, which
+  canonicalizes NaN payloads (float8_e5m2 on CPU), so those scatter bits.
+  """
+  return not (jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 1)
+
+
 def apply_flat(plan: Plan, base: list, delta: Delta) -> list[jax.Array]:
   """:func:`apply` on already flattened and checked rollout leaves."""
   out = list(base)
   for seg, idx, vals in zip(plan.segments, delta.indices, delta.values):
+    first = plan.leaves[seg.leaf_ids[0]]
+    if not seg.pooled and _scatter_natively(first.rollout_dtype):
+      flat = jnp.asarray(base[seg.leaf_ids[0]]).reshape(-1)
+      merged = flat.at[idx].set(bits_lib.from_bits(vals, first.rollout_dtype), mode="drop")
+      out[seg.leaf_ids[0]] = merged.reshape(first.shape)
+      continue
     merged = segment_bits(plan, seg, base).at[idx].set(vals, mode="drop")
     for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
       leaf = plan.leaves[leaf_id]
