@@ -8,7 +8,7 @@ shifted data distribution. Each step changes ~1% of the bf16 rollout copy's elem
 >>> import jax.numpy as jnp
 >>> model = TinyLM(vocab=64, dim=32, depth=1, rngs=nnx.Rngs(0))
 >>> sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-10688
+12640
 """
 
 from __future__ import annotations
