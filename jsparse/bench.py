@@ -24,6 +24,7 @@ from flax import nnx
 
 import jsparse
 from jsparse._src import bits as bits_lib
+from jsparse._src.delta import _apply_donating, receiver_layouts
 from jsparse.examples import rl_model
 
 
@@ -103,7 +104,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
   floor = jax.jit(_compare_and_count, static_argnums=0)
   nonzero = jax.jit(_nonzero_diff, static_argnums=0)
   dense = jax.jit(_dense_copy, static_argnums=0)
-  apply_inplace = jax.jit(jsparse.apply, static_argnums=0, donate_argnums=1)
+  apply_inplace = functools.partial(jsparse.apply, donate=True)
   delta = jsparse.diff(plan, snapshot, after)
   timed = {
       "compare-and-count (floor)": (floor, (plan, snapshot, after)),
@@ -124,7 +125,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     rollout[0] = apply_inplace(plan, rollout[0], delta)
     return rollout[0]
   seconds = _best_time(apply_fresh, repeats=args.repeats)
-  temp = _temp_bytes(apply_inplace, plan, rollout[0], delta)
+  layouts = receiver_layouts(plan, jax.tree.leaves(rollout[0]))
+  temp = _temp_bytes(_apply_donating, plan, layouts, rollout[0], delta)
   dense_seconds = results["dense bf16 copy"][0]
   print(f"{'jsparse.apply (donated)':<30}{1e3 * seconds:>10.1f}{'':>10}{temp / 2**20:>10.1f}"
         f"{temp / param_bytes:>13.3f}   ({seconds / dense_seconds:.2f}x the dense copy)")

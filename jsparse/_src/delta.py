@@ -30,6 +30,7 @@ from jsparse._src import bits as bits_lib
 from jsparse._src.compaction import changed_positions
 from jsparse._src.errors import PlanMismatchError
 from jsparse._src.plan import Plan, Segment
+from jsparse._src.sharded import Layout, apply_blocks, diff_blocks
 
 PyTree = Any
 
@@ -39,13 +40,15 @@ class Delta(NamedTuple):
 
   Attributes:
     indices: per segment, ``int32[capacity]`` flat positions of changed elements in ascending
-      order; unused slots hold the segment size (out of range).
+      order (for a block-sharded leaf: global positions, ascending within each block's
+      ``capacity // blocks`` slots); unused slots hold the segment size (out of range).
     values: per segment, the new bit patterns (unsigned ints of the rollout dtype's width); 0 in
       unused slots.
     counts: ``int32[num_segments]``, how many elements of each segment changed (may exceed its
       capacity).
-    overflow: ``bool[num_segments]``, ``counts > capacity``: those segments are incomplete here and
-      must be carried densely (``Sender`` does that).
+    overflow: ``bool[num_segments]``, whether a segment (or one of its blocks) had more changes
+      than its capacity: those segments are incomplete here and must be carried densely
+      (``Sender`` does that).
   """
 
   indices: tuple[jax.Array, ...]
@@ -65,6 +68,16 @@ def segment_bits(plan: Plan, segment: Segment, flat: list[jax.Array]) -> jax.Arr
 
 
 def _diff_segment(plan: Plan, segment: Segment, base: list, new: list) -> tuple[jax.Array, ...]:
+  """(positions, values, count, overflow) of one segment."""
+  if segment.blocks > 1:
+    leaf_id = segment.leaf_ids[0]
+    leaf = plan.leaves[leaf_id]
+    per_block = segment.capacity // segment.blocks
+    positions, values, block_counts = diff_blocks(
+        leaf.layout, leaf.shape, leaf.rollout_dtype, per_block, jnp.asarray(base[leaf_id]),
+        jnp.asarray(new[leaf_id]))
+    return (positions, values.astype(segment.bit_dtype), jnp.sum(block_counts),
+            jnp.any(block_counts > per_block))
   base_bits = segment_bits(plan, segment, base)
   new_bits = segment_bits(plan, segment, new)
   positions, count = changed_positions(base_bits != new_bits, segment.capacity)
@@ -80,16 +93,16 @@ def _diff_segment(plan: Plan, segment: Segment, base: list, new: list) -> tuple[
       picked = bits_lib.to_bits(bits_lib.from_bits(picked, source.dtype).astype(leaf.rollout_dtype))
     values = picked
   values = jnp.where(positions < segment.size, values, 0).astype(segment.bit_dtype)
-  return positions, values, count
+  return positions, values, count, count > segment.capacity
 
 
 def diff_flat(plan: Plan, base: list, new: list) -> Delta:
   """:func:`diff` on already flattened and checked leaves (used inside larger jitted steps)."""
   parts = [_diff_segment(plan, seg, base, new) for seg in plan.segments]
-  counts = jnp.stack([c for _, _, c in parts]) if parts else jnp.zeros((0,), jnp.int32)
-  capacities = jnp.array([seg.capacity for seg in plan.segments], jnp.int32)
-  return Delta(tuple(p for p, _, _ in parts), tuple(v for _, v, _ in parts), counts,
-               counts > capacities)
+  if not parts:
+    return Delta((), (), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), bool))
+  return Delta(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
+               jnp.stack([p[2] for p in parts]), jnp.stack([p[3] for p in parts]))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -133,15 +146,30 @@ def _scatter_natively(dtype: np.dtype) -> bool:
   return not (jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 1)
 
 
-def apply_flat(plan: Plan, base: list, delta: Delta) -> list[jax.Array]:
-  """:func:`apply` on already flattened and checked rollout leaves."""
+def receiver_layouts(plan: Plan, flat: list) -> tuple[Layout | None, ...]:
+  """The block layout of each concrete rollout leaf (None for traced or unsplit leaves)."""
+  return tuple(Layout.of(getattr(x, "sharding", None) if isinstance(x, jax.Array)
+                         and not isinstance(x, jax.core.Tracer) else None, leaf.shape)
+               for x, leaf in zip(flat, plan.leaves))
+
+
+def apply_flat(plan: Plan, layouts: tuple[Layout | None, ...], base: list,
+               delta: Delta) -> list[jax.Array]:
+  """:func:`apply` on already flattened and checked rollout leaves, each split into blocks as
+  ``layouts`` says (then every device scatters into its own block only)."""
   out = list(base)
   for seg, idx, vals in zip(plan.segments, delta.indices, delta.values):
-    first = plan.leaves[seg.leaf_ids[0]]
-    if not seg.pooled and _scatter_natively(first.rollout_dtype):
-      flat = jnp.asarray(base[seg.leaf_ids[0]]).reshape(-1)
+    first_id = seg.leaf_ids[0]
+    first = plan.leaves[first_id]
+    native = _scatter_natively(first.rollout_dtype)
+    if not seg.pooled and layouts[first_id] is not None:
+      out[first_id] = apply_blocks(layouts[first_id], first.shape, first.rollout_dtype, native,
+                                   jnp.asarray(base[first_id]), idx, vals)
+      continue
+    if not seg.pooled and native:
+      flat = jnp.asarray(base[first_id]).reshape(-1)
       merged = flat.at[idx].set(bits_lib.from_bits(vals, first.rollout_dtype), mode="drop")
-      out[seg.leaf_ids[0]] = merged.reshape(first.shape)
+      out[first_id] = merged.reshape(first.shape)
       continue
     merged = segment_bits(plan, seg, base).at[idx].set(vals, mode="drop")
     for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
@@ -151,16 +179,31 @@ def apply_flat(plan: Plan, base: list, delta: Delta) -> list[jax.Array]:
   return out
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def apply(plan: Plan, base: PyTree, delta: Delta) -> PyTree:
+def _apply_tree(plan: Plan, layouts: tuple, base: PyTree, delta: Delta) -> PyTree:
+  check_delta(plan, delta)
+  flat = apply_flat(plan, layouts, plan.flatten(base, what="base", rollout_only=True), delta)
+  return jax.tree.unflatten(plan.treedef, flat)
+
+
+_apply_copying = jax.jit(_apply_tree, static_argnums=(0, 1))
+_apply_donating = jax.jit(_apply_tree, static_argnums=(0, 1), donate_argnums=2)
+
+
+def apply(plan: Plan, base: PyTree, delta: Delta, *, donate: bool = False) -> PyTree:
   """Writes the changes of ``delta`` into ``base`` (a tree in rollout dtypes).
 
-  To update a large model in place, donate the base:
-  ``jax.jit(jsparse.apply, static_argnums=0, donate_argnums=1)(plan, params, delta)``.
+  Jitted with the plan static. Leaves of ``base`` that are split into blocks over a mesh
+  (``NamedSharding``) are updated block by block: each device keeps the changes inside its own
+  block, so no device gathers a full leaf, and each result keeps its sharding.
+
+  Args:
+    plan: from :func:`make_plan`.
+    base: the rollout tree the delta applies to.
+    delta: from :func:`diff`.
+    donate: update ``base`` in place (its buffers are dead after the call).
 
   Returns:
     The updated tree, in rollout dtypes, with the structure of the plan.
   """
-  check_delta(plan, delta)
-  flat = apply_flat(plan, plan.flatten(base, what="base", rollout_only=True), delta)
-  return jax.tree.unflatten(plan.treedef, flat)
+  layouts = receiver_layouts(plan, plan.flatten(base, what="base", rollout_only=True))
+  return (_apply_donating if donate else _apply_copying)(plan, layouts, base, delta)

@@ -9,6 +9,8 @@ so ``diff`` and ``apply`` compile once per plan.
 Segments: a leaf of at least ``bucket_size`` elements is a segment of its own; smaller leaves are
 pooled, in tree order, into shared segments of at most ``bucket_size`` elements (grouped by bit
 width), so a model with hundreds of small biases and norms costs a few segments, not hundreds.
+A leaf that the trainer shards into blocks (a ``NamedSharding``) is a segment of its own with a
+capacity per block, and is diffed block by block on the devices that hold it.
 
 >>> import jax.numpy as jnp
 >>> params = {'w': jnp.zeros((256, 512)), 'b': jnp.zeros((512,))}
@@ -31,6 +33,7 @@ import numpy as np
 
 from jsparse._src import bits as bits_lib
 from jsparse._src.errors import PlanError, PlanMismatchError
+from jsparse._src.sharded import Layout
 
 PyTree = Any
 RolloutDtype = Any  # None | dtype | Callable[[str, jax.ShapeDtypeStruct], dtype | None]
@@ -47,12 +50,15 @@ class LeafSpec:
     shape: the leaf's shape.
     dtype: the trainer-side dtype (e.g. float32 masters).
     rollout_dtype: the dtype the rollout holds (e.g. bfloat16); diff casts to it.
+    layout: how the trainer splits the leaf into blocks over its mesh (None: not split); diff
+      works block by block on it.
   """
 
   path: str
   shape: tuple[int, ...]
   dtype: np.dtype
   rollout_dtype: np.dtype
+  layout: Layout | None = None
 
   @property
   def size(self) -> int:
@@ -69,6 +75,8 @@ class Segment:
     size: number of elements in the segment.
     capacity: static number of (index, value) slots a Delta holds for this segment.
     bit_dtype: unsigned dtype of the rollout bit patterns of every leaf in the segment.
+    blocks: how many trainer blocks the (single, sharded) leaf has; each block has
+      ``capacity // blocks`` slots.
   """
 
   leaf_ids: tuple[int, ...]
@@ -76,6 +84,7 @@ class Segment:
   size: int
   capacity: int
   bit_dtype: np.dtype
+  blocks: int = 1
 
   @property
   def pooled(self) -> bool:
@@ -102,7 +111,9 @@ class Plan:
   def fingerprint(self) -> bytes:
     """16 bytes that identify the plan's layout; payloads carry it so a receiver with another plan
     refuses them."""
-    description = repr((str(self.treedef), self.leaves, self.segments, self.bucket_size))
+    leaves = [(l.path, l.shape, str(l.dtype), str(l.rollout_dtype),
+               l.layout.parts if l.layout else None) for l in self.leaves]
+    description = repr((str(self.treedef), leaves, self.segments, self.bucket_size))
     return hashlib.blake2b(description.encode(), digest_size=16).digest()
 
   @property
@@ -227,10 +238,11 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
       value = np.asarray(value)
     struct = jax.ShapeDtypeStruct(tuple(np.shape(value)), np.dtype(value.dtype))
     target = _resolve_rollout_dtype(rollout_dtype, name, struct)
+    layout = Layout.of(getattr(value, "sharding", None), struct.shape)
     for label, d in (("dtype", struct.dtype), ("rollout dtype", target)):
       if not bits_lib.is_supported_dtype(d):
         raise PlanError(f"leaf {name} has unsupported {label} {d}")
-    leaf = LeafSpec(name, struct.shape, np.dtype(struct.dtype), target)
+    leaf = LeafSpec(name, struct.shape, np.dtype(struct.dtype), target, layout)
     if leaf.size > MAX_SEGMENT_ELEMENTS:
       raise PlanError(
           f"leaf {name} has {leaf.size} elements, more than {MAX_SEGMENT_ELEMENTS} (int32 "
@@ -257,6 +269,11 @@ def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity
     if leaf.size == 0:
       continue
     width = bits_lib.bit_dtype(leaf.rollout_dtype)
+    if leaf.layout is not None:  # sharded: never pooled, a capacity per block
+      blocks = leaf.layout.blocks
+      per_block = _capacity(capacity, leaf.size // blocks, "capacity")
+      segments.append(Segment((leaf_id,), (0,), leaf.size, per_block * blocks, width, blocks))
+      continue
     if leaf.size >= bucket_size:
       close([leaf_id], width)
       continue

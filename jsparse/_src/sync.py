@@ -28,7 +28,7 @@ import numpy as np
 
 from jsparse._src import bits as bits_lib
 from jsparse._src import wire
-from jsparse._src.delta import Delta, apply_flat, diff_flat
+from jsparse._src.delta import Delta, apply_flat, diff_flat, receiver_layouts
 from jsparse._src.digest import bits_digest
 from jsparse._src.errors import IntegrityError, VersionError
 from jsparse._src.plan import Plan
@@ -63,13 +63,14 @@ def _sender_step(plan: Plan, snapshot: list, new: list) -> tuple[Delta, list, ja
   return delta, next_snapshot, bits_digest(next_snapshot)
 
 
-def _apply_and_digest(plan: Plan, flat: list, delta: Delta) -> tuple[list, jax.Array]:
-  out = apply_flat(plan, flat, delta)
+def _apply_and_digest(plan: Plan, layouts: tuple, flat: list,
+                      delta: Delta) -> tuple[list, jax.Array]:
+  out = apply_flat(plan, layouts, flat, delta)
   return out, bits_digest(out)
 
 
-_apply_donated = jax.jit(_apply_and_digest, static_argnums=0, donate_argnums=1)
-_apply_copying = jax.jit(_apply_and_digest, static_argnums=0)
+_apply_donated = jax.jit(_apply_and_digest, static_argnums=(0, 1), donate_argnums=2)
+_apply_copying = jax.jit(_apply_and_digest, static_argnums=(0, 1))
 _digest = jax.jit(bits_digest)
 
 
@@ -127,9 +128,13 @@ class Sender:
         segments.append(wire.SegmentPayload(wire.DENSE, None,
                                             _segment_host_bits(plan, s, snapshot)))
         continue
+      indices, values = delta.indices[s], delta.values[s]
+      if seg.blocks > 1:  # ascending per block: merge the blocks
+        order = np.argsort(indices, kind="stable")
+        indices, values = indices[order], values[order]
       count = int(delta.counts[s])
       segments.append(wire.SegmentPayload(wire.sparse_mode(seg.size, count),
-                                          delta.indices[s][:count], delta.values[s][:count]))
+                                          indices[:count], values[:count]))
     new_digest = _digest_bytes(digest)
     payload = wire.Payload(wire.ANCHOR if full else wire.DELTA, self.version, version,
                            self._digest, new_digest, tuple(segments))
@@ -148,7 +153,8 @@ class Receiver:
 
   The receiver owns ``params``: with ``donate=True`` (the default) each receive updates the
   arrays in place, and arrays handed in earlier must not be used afterwards. Each leaf keeps the
-  sharding of the array it was given.
+  sharding of the array it was given; a leaf split into blocks over a mesh is updated block by
+  block, each device keeping only the changes inside its own block.
 
   Args:
     plan: the sender's plan.
@@ -161,6 +167,7 @@ class Receiver:
     self.plan = plan
     self.version = version
     self._flat = _committed(plan.flatten(params, what="params", rollout_only=True))
+    self._layouts = receiver_layouts(plan, self._flat)
     self._apply = _apply_donated if donate else _apply_copying
     self._digest = _digest_bytes(_digest(self._flat))
 
@@ -192,7 +199,7 @@ class Receiver:
       flat = self._replace_dense(list(self._flat), dense)
       digest = _digest(flat)
     else:
-      flat, digest = self._apply(plan, self._flat, self._padded_delta(payload))
+      flat, digest = self._apply(plan, self._layouts, self._flat, self._padded_delta(payload))
       if dense:
         flat = self._replace_dense(flat, dense)
         digest = _digest(flat)
