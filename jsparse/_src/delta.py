@@ -29,7 +29,7 @@ import numpy as np
 from jsparse._src import bits as bits_lib
 from jsparse._src.compaction import changed_positions
 from jsparse._src.errors import PlanMismatchError
-from jsparse._src.plan import Plan, Segment
+from jsparse._src.plan import LeafSpec, Plan, Segment
 from jsparse._src.sharded import Layout, apply_blocks, diff_blocks
 
 PyTree = Any
@@ -146,11 +146,36 @@ def _scatter_natively(dtype: np.dtype) -> bool:
   return not (jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 1)
 
 
+def commit_leaves(flat: list) -> list[jax.Array]:
+  """Commits every leaf to where it is (no copy for jax arrays; numpy goes to the default device).
+
+  jit caches by committedness too: committing up front keeps later calls, whose inputs are jit
+  outputs or ``device_put`` results (committed), on the first compilation.
+  """
+  return [jax.device_put(x, x.sharding) if isinstance(x, jax.Array)
+          else jax.device_put(x, jax.devices()[0]) for x in flat]
+
+
 def receiver_layouts(plan: Plan, flat: list) -> tuple[Layout | None, ...]:
   """The block layout of each concrete rollout leaf (None for traced or unsplit leaves)."""
   return tuple(Layout.of(getattr(x, "sharding", None) if isinstance(x, jax.Array)
                          and not isinstance(x, jax.core.Tracer) else None, leaf.shape)
                for x, leaf in zip(flat, plan.leaves))
+
+
+def _apply_leaf(leaf: LeafSpec, layout: Layout | None, base: jax.Array, idx: jax.Array,
+                vals: jax.Array) -> jax.Array:
+  """Scatters bits ``vals`` at flat positions ``idx`` (out of range: skipped) into one leaf."""
+  native = _scatter_natively(leaf.rollout_dtype)
+  if layout is not None:
+    return apply_blocks(layout, leaf.shape, leaf.rollout_dtype, native, base, idx, vals)
+  flat = jnp.asarray(base).reshape(-1)
+  if native:
+    flat = flat.at[idx].set(bits_lib.from_bits(vals, leaf.rollout_dtype), mode="drop")
+  else:
+    flat = bits_lib.from_bits(bits_lib.to_bits(flat).at[idx].set(vals, mode="drop"),
+                              leaf.rollout_dtype)
+  return flat.reshape(leaf.shape)
 
 
 def apply_flat(plan: Plan, layouts: tuple[Layout | None, ...], base: list,
@@ -159,23 +184,21 @@ def apply_flat(plan: Plan, layouts: tuple[Layout | None, ...], base: list,
   ``layouts`` says (then every device scatters into its own block only)."""
   out = list(base)
   for seg, idx, vals in zip(plan.segments, delta.indices, delta.values):
-    first_id = seg.leaf_ids[0]
-    first = plan.leaves[first_id]
-    native = _scatter_natively(first.rollout_dtype)
-    if not seg.pooled and layouts[first_id] is not None:
-      out[first_id] = apply_blocks(layouts[first_id], first.shape, first.rollout_dtype, native,
-                                   jnp.asarray(base[first_id]), idx, vals)
-      continue
-    if not seg.pooled and native:
-      flat = jnp.asarray(base[first_id]).reshape(-1)
-      merged = flat.at[idx].set(bits_lib.from_bits(vals, first.rollout_dtype), mode="drop")
-      out[first_id] = merged.reshape(first.shape)
-      continue
-    merged = segment_bits(plan, seg, base).at[idx].set(vals, mode="drop")
-    for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
-      leaf = plan.leaves[leaf_id]
-      part = merged if not seg.pooled else merged[offset:offset + leaf.size]
-      out[leaf_id] = bits_lib.from_bits(part, leaf.rollout_dtype).reshape(leaf.shape)
+    if not seg.pooled:
+      leaf_id = seg.leaf_ids[0]
+      out[leaf_id] = _apply_leaf(plan.leaves[leaf_id], layouts[leaf_id], base[leaf_id], idx, vals)
+    elif all(layouts[i] is None for i in seg.leaf_ids):  # small leaves: one scatter for the pool
+      merged = segment_bits(plan, seg, base).at[idx].set(vals, mode="drop")
+      for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
+        leaf = plan.leaves[leaf_id]
+        part = merged[offset:offset + leaf.size]
+        out[leaf_id] = bits_lib.from_bits(part, leaf.rollout_dtype).reshape(leaf.shape)
+    else:  # the rollout splits some pooled leaves into blocks: leaf by leaf, block-local
+      for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
+        leaf = plan.leaves[leaf_id]
+        inside = (idx >= offset) & (idx < offset + leaf.size)
+        out[leaf_id] = _apply_leaf(leaf, layouts[leaf_id], base[leaf_id],
+                                   jnp.where(inside, idx - offset, leaf.size), vals)
   return out
 
 
@@ -205,5 +228,31 @@ def apply(plan: Plan, base: PyTree, delta: Delta, *, donate: bool = False) -> Py
   Returns:
     The updated tree, in rollout dtypes, with the structure of the plan.
   """
-  layouts = receiver_layouts(plan, plan.flatten(base, what="base", rollout_only=True))
+  flat = commit_leaves(plan.flatten(base, what="base", rollout_only=True))
+  layouts = receiver_layouts(plan, flat)
+  delta = _colocate(plan, delta, flat)
+  base = jax.tree.unflatten(plan.treedef, flat)
   return (_apply_donating if donate else _apply_copying)(plan, layouts, base, delta)
+
+
+def _replicated_on(x: Any) -> Any:
+  """A replicated sharding on the devices that hold ``x`` (None if ``x`` is not an array)."""
+  sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return sharding
+
+
+def _colocate(plan: Plan, delta: Delta, flat: list) -> Delta:
+  """Moves the (small) delta next to the leaves it updates, replicated on their devices: the
+  trainer's mesh may differ from the rollout's."""
+  if not isinstance(delta, Delta) or len(delta.indices) != len(plan.segments):
+    return delta  # check_delta reports it
+  indices, values = [], []
+  for seg, idx, vals in zip(plan.segments, delta.indices, delta.values):
+    target = _replicated_on(flat[seg.leaf_ids[0]])
+    move = (lambda x: jax.device_put(x, target)) if target is not None else (lambda x: x)
+    indices.append(move(idx))
+    values.append(move(vals))
+  host = lambda x: np.asarray(x) if isinstance(x, jax.Array) else x
+  return Delta(tuple(indices), tuple(values), host(delta.counts), host(delta.overflow))

@@ -19,7 +19,11 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from jax import lax
+from jax.sharding import PartitionSpec
+
 from jsparse._src import bits as bits_lib
+from jsparse._src.sharded import Layout, block_positions
 
 _SEEDS = ((0x9E3779B1, 0x85EBCA77), (0xC2B2AE3D, 0x27D4EB2F))
 
@@ -32,23 +36,44 @@ def _fmix(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def _words(leaf: jax.Array) -> jax.Array:
-  b = bits_lib.to_bits(leaf.reshape(-1))
-  if b.dtype == jnp.uint64:
-    return b.astype(jnp.uint32) ^ _fmix((b >> 32).astype(jnp.uint32))
-  return b.astype(jnp.uint32)
+def _words(bits: jax.Array) -> jax.Array:
+  if bits.dtype == jnp.uint64:
+    return bits.astype(jnp.uint32) ^ _fmix((bits >> 32).astype(jnp.uint32))
+  return bits.astype(jnp.uint32)
 
 
-def bits_digest(leaves: Sequence[jax.Array]) -> jax.Array:
-  """Returns ``uint32[2]``, a position-sensitive digest of the bit patterns of ``leaves``."""
-  totals = [jnp.uint32(0), jnp.uint32(0)]
+def _mixed_sums(leaf: jax.Array, positions: jax.Array, leaf_id: int) -> jax.Array:
+  words = _words(bits_lib.to_bits(leaf))
+  positions = positions.astype(jnp.uint32)
+  sums = []
+  for k, (c_bits, c_pos) in enumerate(_SEEDS):
+    seed = jnp.uint32((leaf_id * 0x632BE5AB + k) & 0xFFFFFFFF)
+    mixed = _fmix(words * jnp.uint32(c_bits) + positions * jnp.uint32(c_pos) + seed)
+    sums.append(jnp.sum(mixed, dtype=jnp.uint32))
+  return jnp.stack(sums)
+
+
+def _leaf_digest(leaf: jax.Array, leaf_id: int, layout: Layout | None) -> jax.Array:
+  if layout is None:
+    flat = leaf.reshape(-1)
+    return _mixed_sums(flat, jnp.arange(flat.shape[0], dtype=jnp.uint32), leaf_id)
+
+  def local(block):  # each device sums its own block; the partial sums add up
+    partial = _mixed_sums(block, block_positions(layout, leaf.shape), leaf_id)
+    return lax.psum(partial, layout.split_axes)
+
+  return layout.shard_map(local, (layout.spec,), PartitionSpec())(leaf)
+
+
+def bits_digest(leaves: Sequence[jax.Array],
+                layouts: Sequence[Layout | None] | None = None) -> jax.Array:
+  """Returns ``uint32[2]``, a position-sensitive digest of the bit patterns of ``leaves``.
+
+  ``layouts`` (static) says which leaves are split into blocks over a mesh; those are digested
+  block by block on the devices that hold them, without gathering.
+  """
+  total = jnp.zeros((2,), jnp.uint32)
   for leaf_id, leaf in enumerate(leaves):
-    if leaf.size == 0:
-      continue
-    words = _words(leaf)
-    position = jnp.arange(words.shape[0], dtype=jnp.uint32)
-    for k, (c_bits, c_pos) in enumerate(_SEEDS):
-      seed = jnp.uint32((leaf_id * 0x632BE5AB + k) & 0xFFFFFFFF)
-      mixed = _fmix(words * jnp.uint32(c_bits) + position * jnp.uint32(c_pos) + seed)
-      totals[k] = totals[k] + jnp.sum(mixed, dtype=jnp.uint32)
-  return jnp.stack(totals)
+    if leaf.size:
+      total = total + _leaf_digest(leaf, leaf_id, layouts[leaf_id] if layouts else None)
+  return total

@@ -80,6 +80,15 @@ class Layout:
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
 
 
+def block_positions(layout: Layout, shape: tuple[int, ...]) -> jax.Array:
+  """Inside ``shard_map``: the global flat position of every element of this device's block
+  (int32, in the block's shape)."""
+  block = layout.block_shape(shape)
+  multi = [lax.broadcasted_iota(jnp.int32, block, d) + s
+           for d, s in enumerate(layout.block_start(shape))]
+  return _ravel(multi, shape)
+
+
 def _ravel(multi: list[jax.Array], shape: tuple[int, ...]) -> jax.Array:
   flat = jnp.zeros_like(multi[0]) if multi else jnp.int32(0)
   for m, n in zip(multi, shape):

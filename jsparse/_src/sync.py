@@ -28,22 +28,12 @@ import numpy as np
 
 from jsparse._src import bits as bits_lib
 from jsparse._src import wire
-from jsparse._src.delta import Delta, apply_flat, diff_flat, receiver_layouts
+from jsparse._src.delta import Delta, apply_flat, commit_leaves, diff_flat, receiver_layouts
 from jsparse._src.digest import bits_digest
 from jsparse._src.errors import IntegrityError, VersionError
 from jsparse._src.plan import Plan
 
 PyTree = Any
-
-
-def _committed(flat: list) -> list[jax.Array]:
-  """Commits every leaf to where it is (no copy for jax arrays; numpy goes to the default device).
-
-  jit caches by committedness too: committing up front keeps later calls, whose inputs are jit
-  outputs or ``device_put`` results (committed), on the first compilation.
-  """
-  return [jax.device_put(x, x.sharding) if isinstance(x, jax.Array)
-          else jax.device_put(x, jax.devices()[0]) for x in flat]
 
 
 def _cast_flat(plan: Plan, flat: list) -> list[jax.Array]:
@@ -53,25 +43,29 @@ def _cast_flat(plan: Plan, flat: list) -> list[jax.Array]:
 @functools.partial(jax.jit, static_argnums=0)
 def _snapshot(plan: Plan, flat: list) -> tuple[list[jax.Array], jax.Array]:
   snapshot = _cast_flat(plan, flat)
-  return snapshot, bits_digest(snapshot)
+  return snapshot, bits_digest(snapshot, _trainer_layouts(plan))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
 def _sender_step(plan: Plan, snapshot: list, new: list) -> tuple[Delta, list, jax.Array]:
   delta = diff_flat(plan, snapshot, new)
   next_snapshot = _cast_flat(plan, new)
-  return delta, next_snapshot, bits_digest(next_snapshot)
+  return delta, next_snapshot, bits_digest(next_snapshot, _trainer_layouts(plan))
 
 
 def _apply_and_digest(plan: Plan, layouts: tuple, flat: list,
                       delta: Delta) -> tuple[list, jax.Array]:
   out = apply_flat(plan, layouts, flat, delta)
-  return out, bits_digest(out)
+  return out, bits_digest(out, layouts)
 
 
 _apply_donated = jax.jit(_apply_and_digest, static_argnums=(0, 1), donate_argnums=2)
 _apply_copying = jax.jit(_apply_and_digest, static_argnums=(0, 1))
-_digest = jax.jit(bits_digest)
+_digest = jax.jit(bits_digest, static_argnums=1)
+
+
+def _trainer_layouts(plan: Plan) -> tuple:
+  return tuple(leaf.layout for leaf in plan.leaves)
 
 
 def _digest_bytes(digest: jax.Array) -> bytes:
@@ -99,7 +93,7 @@ class Sender:
     self.plan = plan
     self.version = 0
     self.anchor_every = anchor_every
-    self._snapshot, digest = _snapshot(plan, _committed(plan.flatten(params, what="params")))
+    self._snapshot, digest = _snapshot(plan, commit_leaves(plan.flatten(params, what="params")))
     self._digest = _digest_bytes(digest)
     self.last_stats: dict[str, Any] = {}
 
@@ -116,7 +110,7 @@ class Sender:
       full: send a dense anchor that a receiver accepts on any base version.
     """
     plan = self.plan
-    flat = _committed(plan.flatten(params, what="params"))
+    flat = commit_leaves(plan.flatten(params, what="params"))
     delta, snapshot, digest = _sender_step(plan, self._snapshot, flat)
     self._snapshot = snapshot
     delta = jax.device_get(delta)
@@ -166,10 +160,10 @@ class Receiver:
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0, donate: bool = True):
     self.plan = plan
     self.version = version
-    self._flat = _committed(plan.flatten(params, what="params", rollout_only=True))
+    self._flat = commit_leaves(plan.flatten(params, what="params", rollout_only=True))
     self._layouts = receiver_layouts(plan, self._flat)
     self._apply = _apply_donated if donate else _apply_copying
-    self._digest = _digest_bytes(_digest(self._flat))
+    self._digest = _digest_bytes(_digest(self._flat, self._layouts))
 
   @property
   def params(self) -> PyTree:
@@ -197,12 +191,12 @@ class Receiver:
     dense = {s: p.values for s, p in enumerate(payload.segments) if p.mode == wire.DENSE}
     if len(dense) == len(plan.segments):
       flat = self._replace_dense(list(self._flat), dense)
-      digest = _digest(flat)
+      digest = _digest(flat, self._layouts)
     else:
       flat, digest = self._apply(plan, self._layouts, self._flat, self._padded_delta(payload))
       if dense:
         flat = self._replace_dense(flat, dense)
-        digest = _digest(flat)
+        digest = _digest(flat, self._layouts)
     self._flat = flat  # donated buffers are gone: commit whatever the check says
     if _digest_bytes(digest) != payload.new_digest:
       raise IntegrityError(f"version {payload.version} reconstructed with a digest that differs "
