@@ -54,6 +54,20 @@ def from_bits(bits: jax.Array, dtype: np.dtype) -> jax.Array:
   return lax.bitcast_convert_type(bits, dtype)
 
 
+def gather_rollout_bits(source: jax.Array, positions: jax.Array,
+                        rollout_dtype: np.dtype) -> jax.Array:
+  """Bits of ``source[positions]`` (flat, positions in range) cast to ``rollout_dtype``.
+
+  Gathers first and casts the few picked elements, so no full-size cast copy is made; and
+  gathers bits, not floats: XLA may canonicalize NaN payloads when it moves emulated types
+  (float8 on CPU) as floats.
+  """
+  picked = to_bits(source)[positions]
+  if source.dtype != rollout_dtype:
+    picked = to_bits(from_bits(picked, source.dtype).astype(rollout_dtype))
+  return picked
+
+
 def np_to_bits(x: np.ndarray) -> np.ndarray:
   """Host (numpy) version of :func:`to_bits`."""
   x = np.asarray(x)

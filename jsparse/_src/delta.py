@@ -84,14 +84,10 @@ def _diff_segment(plan: Plan, segment: Segment, base: list, new: list) -> tuple[
   safe = jnp.minimum(positions, segment.size - 1)
   if segment.pooled:
     values = new_bits[safe]
-  else:  # gather first, then cast: no full-size rollout copy of the new leaf. Gather bits, not
-    # floats: XLA may canonicalize NaN payloads when it moves emulated types (float8) as floats.
+  else:
     leaf = plan.leaves[segment.leaf_ids[0]]
     source = jnp.asarray(new[segment.leaf_ids[0]]).reshape(-1)
-    picked = bits_lib.to_bits(source)[safe]
-    if source.dtype != leaf.rollout_dtype:
-      picked = bits_lib.to_bits(bits_lib.from_bits(picked, source.dtype).astype(leaf.rollout_dtype))
-    values = picked
+    values = bits_lib.gather_rollout_bits(source, safe, leaf.rollout_dtype)
   values = jnp.where(positions < segment.size, values, 0).astype(segment.bit_dtype)
   return positions, values, count, count > segment.capacity
 

@@ -120,9 +120,8 @@ def diff_blocks(layout: Layout, shape: tuple[int, ...], rollout_dtype: np.dtype,
     source = new_block.reshape(-1)
     new_bits = bits_lib.to_bits(source.astype(rollout_dtype))
     positions, count = changed_positions(old_bits != new_bits, block_capacity)
-    picked = bits_lib.to_bits(source)[jnp.minimum(positions, source.shape[0] - 1)]
-    if source.dtype != rollout_dtype:
-      picked = bits_lib.to_bits(bits_lib.from_bits(picked, source.dtype).astype(rollout_dtype))
+    picked = bits_lib.gather_rollout_bits(
+        source, jnp.minimum(positions, source.shape[0] - 1), rollout_dtype)
     valid = positions < source.shape[0]
     starts = layout.block_start(shape)
     local_multi = _unravel(jnp.minimum(positions, source.shape[0] - 1), block)
