@@ -68,6 +68,23 @@ def gather_rollout_bits(source: jax.Array, positions: jax.Array,
   return picked
 
 
+def _scatters_natively(dtype: np.dtype) -> bool:
+  """Whether to scatter in the leaf's own dtype rather than in its bits.
+
+  A native scatter into a donated buffer is in place; going through the bits costs a full copy
+  on CPU, where bitcast-convert is not free. But XLA emulates float8 by converting, which
+  canonicalizes NaN payloads (float8_e5m2 on CPU), so those scatter bits.
+  """
+  return not (jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 1)
+
+
+def scatter_bits(flat: jax.Array, positions: jax.Array, values: jax.Array) -> jax.Array:
+  """``flat`` with the bit patterns ``values`` written at ``positions`` (out of range: skipped)."""
+  if _scatters_natively(flat.dtype):
+    return flat.at[positions].set(from_bits(values, flat.dtype), mode="drop")
+  return from_bits(to_bits(flat).at[positions].set(values, mode="drop"), flat.dtype)
+
+
 def np_to_bits(x: np.ndarray) -> np.ndarray:
   """Host (numpy) version of :func:`to_bits`."""
   x = np.asarray(x)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from jsparse._src import bits as bits_lib
 
 _WORD = 32
 
@@ -57,3 +60,16 @@ def changed_positions(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Ar
   bit = _rank_select(words[safe_word], k - before)
   positions = jnp.where(k <= count, safe_word * _WORD + bit, size)
   return positions, count
+
+
+def changed_elements(base: jax.Array, new: jax.Array, rollout_dtype: np.dtype,
+                     capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Compares two flat arrays in ``rollout_dtype`` bits and returns the first ``capacity``
+  changed positions (the size where unused), their new rollout bits (0 where unused), and the
+  number of changed elements."""
+  size = new.shape[0]
+  old_bits = bits_lib.to_bits(base.astype(rollout_dtype))
+  positions, count = changed_positions(old_bits != bits_lib.to_bits(new.astype(rollout_dtype)),
+                                       capacity)
+  values = bits_lib.gather_rollout_bits(new, jnp.minimum(positions, size - 1), rollout_dtype)
+  return positions, jnp.where(positions < size, values, 0), count

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse._src import bits as bits_lib
-from jsparse._src.compaction import changed_positions
+from jsparse._src.compaction import changed_elements
 from jsparse._src.errors import PlanMismatchError
 from jsparse._src.plan import LeafSpec, Plan, Segment
 from jsparse._src.sharded import Layout, apply_blocks, diff_blocks
@@ -78,18 +78,16 @@ def _diff_segment(plan: Plan, segment: Segment, base: list, new: list) -> tuple[
         jnp.asarray(new[leaf_id]))
     return (positions, values.astype(segment.bit_dtype), jnp.sum(block_counts),
             jnp.any(block_counts > per_block))
-  base_bits = segment_bits(plan, segment, base)
-  new_bits = segment_bits(plan, segment, new)
-  positions, count = changed_positions(base_bits != new_bits, segment.capacity)
-  safe = jnp.minimum(positions, segment.size - 1)
-  if segment.pooled:
-    values = new_bits[safe]
-  else:
-    leaf = plan.leaves[segment.leaf_ids[0]]
-    source = jnp.asarray(new[segment.leaf_ids[0]]).reshape(-1)
-    values = bits_lib.gather_rollout_bits(source, safe, leaf.rollout_dtype)
-  values = jnp.where(positions < segment.size, values, 0).astype(segment.bit_dtype)
-  return positions, values, count, count > segment.capacity
+  if not segment.pooled:
+    leaf_id = segment.leaf_ids[0]
+    positions, values, count = changed_elements(
+        jnp.asarray(base[leaf_id]).reshape(-1), jnp.asarray(new[leaf_id]).reshape(-1),
+        plan.leaves[leaf_id].rollout_dtype, segment.capacity)
+  else:  # small leaves, already cast to bits and laid end to end
+    positions, values, count = changed_elements(
+        segment_bits(plan, segment, base), segment_bits(plan, segment, new), segment.bit_dtype,
+        segment.capacity)
+  return positions, values.astype(segment.bit_dtype), count, count > segment.capacity
 
 
 def diff_flat(plan: Plan, base: list, new: list) -> Delta:
@@ -132,16 +130,6 @@ def check_delta(plan: Plan, delta: Delta) -> None:
             f"expects {dtype}[{seg.capacity}]")
 
 
-def _scatter_natively(dtype: np.dtype) -> bool:
-  """Whether to scatter in the leaf's own dtype rather than in its bits.
-
-  A native scatter into a donated buffer is in place; going through the bits costs a full copy
-  on CPU, where bitcast-convert is not free. But XLA emulates float8 by converting, which
-  canonicalizes NaN payloads (float8_e5m2 on CPU), so those scatter bits.
-  """
-  return not (jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 1)
-
-
 def commit_leaves(flat: list) -> list[jax.Array]:
   """Commits every leaf to where it is (no copy for jax arrays; numpy goes to the default device).
 
@@ -162,15 +150,9 @@ def receiver_layouts(plan: Plan, flat: list) -> tuple[Layout | None, ...]:
 def _apply_leaf(leaf: LeafSpec, layout: Layout | None, base: jax.Array, idx: jax.Array,
                 vals: jax.Array) -> jax.Array:
   """Scatters bits ``vals`` at flat positions ``idx`` (out of range: skipped) into one leaf."""
-  native = _scatter_natively(leaf.rollout_dtype)
   if layout is not None:
-    return apply_blocks(layout, leaf.shape, leaf.rollout_dtype, native, base, idx, vals)
-  flat = jnp.asarray(base).reshape(-1)
-  if native:
-    flat = flat.at[idx].set(bits_lib.from_bits(vals, leaf.rollout_dtype), mode="drop")
-  else:
-    flat = bits_lib.from_bits(bits_lib.to_bits(flat).at[idx].set(vals, mode="drop"),
-                              leaf.rollout_dtype)
+    return apply_blocks(layout, leaf.shape, base, idx, vals)
+  flat = bits_lib.scatter_bits(jnp.asarray(base).reshape(-1), idx, vals)
   return flat.reshape(leaf.shape)
 
 
@@ -244,11 +226,13 @@ def _colocate(plan: Plan, delta: Delta, flat: list) -> Delta:
   trainer's mesh may differ from the rollout's."""
   if not isinstance(delta, Delta) or len(delta.indices) != len(plan.segments):
     return delta  # check_delta reports it
-  indices, values = [], []
-  for seg, idx, vals in zip(plan.segments, delta.indices, delta.values):
-    target = _replicated_on(flat[seg.leaf_ids[0]])
-    move = (lambda x: jax.device_put(x, target)) if target is not None else (lambda x: x)
-    indices.append(move(idx))
-    values.append(move(vals))
-  host = lambda x: np.asarray(x) if isinstance(x, jax.Array) else x
-  return Delta(tuple(indices), tuple(values), host(delta.counts), host(delta.overflow))
+  def move(x: Any, leaf_id: int) -> Any:
+    target = _replicated_on(flat[leaf_id])
+    return x if target is None else jax.device_put(x, target)
+
+  first = plan.segments[0].leaf_ids[0] if plan.segments else None
+  return Delta(
+      tuple(move(i, seg.leaf_ids[0]) for seg, i in zip(plan.segments, delta.indices)),
+      tuple(move(v, seg.leaf_ids[0]) for seg, v in zip(plan.segments, delta.values)),
+      delta.counts if first is None else move(delta.counts, first),
+      delta.overflow if first is None else move(delta.overflow, first))

@@ -24,7 +24,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jsparse._src import bits as bits_lib
-from jsparse._src.compaction import changed_positions
+from jsparse._src.compaction import changed_elements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,25 +116,21 @@ def diff_blocks(layout: Layout, shape: tuple[int, ...], rollout_dtype: np.dtype,
   block = layout.block_shape(shape)
 
   def local(base_block, new_block):
-    old_bits = bits_lib.to_bits(base_block.astype(rollout_dtype)).reshape(-1)
     source = new_block.reshape(-1)
-    new_bits = bits_lib.to_bits(source.astype(rollout_dtype))
-    positions, count = changed_positions(old_bits != new_bits, block_capacity)
-    picked = bits_lib.gather_rollout_bits(
-        source, jnp.minimum(positions, source.shape[0] - 1), rollout_dtype)
+    positions, values, count = changed_elements(
+        base_block.reshape(-1), source, rollout_dtype, block_capacity)
     valid = positions < source.shape[0]
-    starts = layout.block_start(shape)
     local_multi = _unravel(jnp.minimum(positions, source.shape[0] - 1), block)
+    starts = layout.block_start(shape)
     global_flat = _ravel([m + s for m, s in zip(local_multi, starts)], shape)
-    return (jnp.where(valid, global_flat, size), jnp.where(valid, picked, 0),
-            count.reshape(1))
+    return jnp.where(valid, global_flat, size), values, count.reshape(1)
 
   out = PartitionSpec(layout.split_axes)
   return layout.shard_map(local, (layout.spec, layout.spec), (out, out, out))(base, new)
 
 
-def apply_blocks(layout: Layout, shape: tuple[int, ...], dtype: np.dtype, native: bool,
-                 base: jax.Array, indices: jax.Array, values: jax.Array) -> jax.Array:
+def apply_blocks(layout: Layout, shape: tuple[int, ...], base: jax.Array, indices: jax.Array,
+                 values: jax.Array) -> jax.Array:
   """Scatters (global flat index, bits) pairs into a block-sharded leaf, each device keeping only
   the pairs inside its own block. ``indices`` and ``values`` are replicated."""
   size = math.prod(shape)
@@ -149,13 +145,7 @@ def apply_blocks(layout: Layout, shape: tuple[int, ...], dtype: np.dtype, native
       inside &= (m >= s) & (m < s + b)
     local_flat = jnp.where(inside, _ravel([m - s for m, s in zip(multi, starts)], block),
                            block_size)
-    flat = base_block.reshape(-1)
-    if native:
-      flat = flat.at[local_flat].set(bits_lib.from_bits(vals, dtype), mode="drop")
-    else:
-      flat = bits_lib.from_bits(
-          bits_lib.to_bits(flat).at[local_flat].set(vals, mode="drop"), dtype)
-    return flat.reshape(block)
+    return bits_lib.scatter_bits(base_block.reshape(-1), local_flat, vals).reshape(block)
 
   return layout.shard_map(local, (layout.spec, PartitionSpec(), PartitionSpec()),
                           layout.spec)(base, indices, values)

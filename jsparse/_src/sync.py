@@ -189,14 +189,11 @@ class Receiver:
         raise IntegrityError(f"this receiver's params differ from the sender's version "
                              f"{self.version}: resync with an anchor (sender.send(p, full=True))")
     dense = {s: p.values for s, p in enumerate(payload.segments) if p.mode == wire.DENSE}
+    flat = self._replace_dense(list(self._flat), dense)  # dense segments have no sparse entries
     if len(dense) == len(plan.segments):
-      flat = self._replace_dense(list(self._flat), dense)
       digest = _digest(flat, self._layouts)
     else:
-      flat, digest = self._apply(plan, self._layouts, self._flat, self._padded_delta(payload))
-      if dense:
-        flat = self._replace_dense(flat, dense)
-        digest = _digest(flat, self._layouts)
+      flat, digest = self._apply(plan, self._layouts, flat, self._padded_delta(payload))
     self._flat = flat  # donated buffers are gone: commit whatever the check says
     if _digest_bytes(digest) != payload.new_digest:
       raise IntegrityError(f"version {payload.version} reconstructed with a digest that differs "
