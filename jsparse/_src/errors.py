@@ -29,3 +29,7 @@ class VersionError(JsparseError, ValueError):
 
 class IntegrityError(JsparseError, RuntimeError):
   """The state reconstructed by a receiver does not match the digest the sender computed."""
+
+
+class CheckpointError(JsparseError, RuntimeError):
+  """A checkpoint step is missing, unreadable, corrupted or from another plan (named)."""

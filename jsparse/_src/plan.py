@@ -125,10 +125,19 @@ class Plan:
     """Bytes of the whole tree in rollout dtypes: what a dense bf16 (etc.) sync sends."""
     return sum(leaf.size * leaf.rollout_dtype.itemsize for leaf in self.leaves)
 
-  def rollout_shapes(self) -> PyTree:
-    """The tree of ``jax.ShapeDtypeStruct`` the rollout side holds."""
-    return jax.tree.unflatten(
-        self.treedef, [jax.ShapeDtypeStruct(l.shape, l.rollout_dtype) for l in self.leaves])
+  def rollout_shapes(self, shardings: PyTree | None = None) -> PyTree:
+    """The tree of ``jax.ShapeDtypeStruct`` the rollout side holds, placed by ``shardings`` (a
+    tree of ``jax.sharding.Sharding`` with the plan's structure, or None). This is the abstract
+    target to restore a rollout tree onto, e.g. with Orbax."""
+    placements = [None] * len(self.leaves)
+    if shardings is not None:
+      try:
+        placements = self.treedef.flatten_up_to(shardings)
+      except (ValueError, TypeError) as e:
+        raise PlanMismatchError(f"shardings: tree structure differs from the plan: {e}") from e
+    return jax.tree.unflatten(self.treedef, [
+        jax.ShapeDtypeStruct(l.shape, l.rollout_dtype, sharding=s)
+        for l, s in zip(self.leaves, placements)])
 
   def flatten(self, tree: PyTree, *, what: str, rollout_only: bool = False) -> list[Any]:
     """Flattens ``tree`` in plan order, checking structure, shapes and dtypes.

@@ -30,7 +30,7 @@ from jsparse._src import bits as bits_lib
 from jsparse._src import wire
 from jsparse._src.delta import Delta, apply_flat, commit_leaves, diff_flat, receiver_layouts
 from jsparse._src.digest import bits_digest
-from jsparse._src.errors import IntegrityError, VersionError
+from jsparse._src.errors import IntegrityError, PlanMismatchError, VersionError
 from jsparse._src.plan import Plan
 
 PyTree = Any
@@ -64,6 +64,58 @@ _apply_copying = jax.jit(_apply_and_digest, static_argnums=(0, 1))
 _digest = jax.jit(bits_digest, static_argnums=1)
 
 
+def _check_version(version: Any) -> int:
+  if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) \
+      or not 0 <= version < 2**63:
+    raise VersionError(f"a version must be an int in [0, 2**63), got {version!r}")
+  return int(version)
+
+
+def sync_state(plan: Plan, version: int, digest: bytes, params: PyTree) -> dict[str, Any]:
+  """The resumable state of a sender or receiver, as a tree of arrays Orbax saves as it is.
+
+  Keys: ``version`` (int64 scalar), ``digest`` (uint32[2], of ``params``' bit patterns),
+  ``plan`` (uint8[16], the plan's fingerprint) and ``params`` (the synced tree, in rollout
+  dtypes).
+  """
+  return {"version": np.array(version, np.int64),
+          "digest": np.frombuffer(digest, "<u4").astype(np.uint32),
+          "plan": np.frombuffer(plan.fingerprint, np.uint8).copy(),
+          "params": params}
+
+
+def abstract_sync_state(plan: Plan, shardings: PyTree | None = None) -> dict[str, Any]:
+  """The abstract target to restore a :func:`sync_state` onto, its params placed by
+  ``shardings`` (a tree of shardings with the plan's structure; None: the default device).
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(3)}, rollout_dtype=jnp.bfloat16)
+  >>> abstract_sync_state(plan)['params']['w'].dtype
+  dtype(bfloat16)
+  """
+  return {"version": np.zeros((), np.int64), "digest": np.zeros(2, np.uint32),
+          "plan": np.zeros(16, np.uint8), "params": plan.rollout_shapes(shardings)}
+
+
+def _check_state(plan: Plan, state: Any, *, rollout_only: bool) -> tuple[int, bytes, PyTree]:
+  if not isinstance(state, dict) or set(state) != {"version", "digest", "plan", "params"}:
+    raise PlanMismatchError("sync state: expected a dict with keys version, digest, plan, params"
+                            f", got {sorted(state) if isinstance(state, dict) else type(state)}")
+  if np.asarray(state["plan"], np.uint8).tobytes() != plan.fingerprint:
+    raise PlanMismatchError("sync state: it was saved for another plan (fingerprint differs)")
+  plan.flatten(state["params"], what="sync state params", rollout_only=rollout_only)
+  digest = np.asarray(state["digest"], np.uint32)
+  if digest.shape != (2,):
+    raise PlanMismatchError(f"sync state: digest must be uint32[2], got {digest.shape}")
+  return _check_version(int(state["version"])), digest.astype("<u4").tobytes(), state["params"]
+
+
+def _check_digest(actual: bytes, saved: bytes, version: int) -> None:
+  if actual != saved:
+    raise IntegrityError(f"restored sync state of version {version}: its params do not match "
+                         "the digest saved with them (corrupted or from another run)")
+
+
 def _trainer_layouts(plan: Plan) -> tuple:
   return tuple(leaf.layout for leaf in plan.leaves)
 
@@ -83,38 +135,70 @@ class Sender:
 
   Args:
     plan: from :func:`jsparse.make_plan`.
-    params: the params the receiver starts from (version 0), in trainer or rollout dtypes.
+    params: the params the receiver starts from, in trainer or rollout dtypes.
+    version: the version ``params`` are (the receiver must start from the same one).
     anchor_every: if set, every ``anchor_every``-th version is sent as a full (dense) anchor.
   """
 
-  def __init__(self, plan: Plan, params: PyTree, *, anchor_every: int | None = None):
+  def __init__(self, plan: Plan, params: PyTree, *, version: int = 0,
+               anchor_every: int | None = None):
     if anchor_every is not None and (not isinstance(anchor_every, int) or anchor_every < 1):
       raise ValueError(f"anchor_every must be a positive int or None, got {anchor_every!r}")
     self.plan = plan
-    self.version = 0
+    self.version = _check_version(version)
     self.anchor_every = anchor_every
     self._snapshot, digest = _snapshot(plan, commit_leaves(plan.flatten(params, what="params")))
     self._digest = _digest_bytes(digest)
     self.last_stats: dict[str, Any] = {}
+
+  def state(self) -> dict[str, Any]:
+    """What a restarted trainer needs to resume without a full resend (see :func:`sync_state`).
+    The arrays are the live snapshot: save them before the next ``send``."""
+    return sync_state(self.plan, self.version, self._digest, self.snapshot)
+
+  @classmethod
+  def restore(cls, plan: Plan, state: dict[str, Any], *,
+              anchor_every: int | None = None) -> "Sender":
+    """A sender that resumes from ``state`` (from :meth:`state`, e.g. restored by Orbax).
+
+    Raises:
+      PlanMismatchError: the state belongs to another plan.
+      IntegrityError: the restored snapshot does not match the digest saved with it.
+    """
+    version, digest, params = _check_state(plan, state, rollout_only=False)
+    sender = cls(plan, params, version=version, anchor_every=anchor_every)
+    _check_digest(sender._digest, digest, version)
+    return sender
 
   @property
   def snapshot(self) -> PyTree:
     """The last synced state, in rollout dtypes (what the receiver holds)."""
     return jax.tree.unflatten(self.plan.treedef, self._snapshot)
 
-  def send(self, params: PyTree, *, full: bool = False) -> bytes:
-    """Returns the payload that brings a receiver from the current version to the next.
+  def send(self, params: PyTree, *, full: bool = False, version: int | None = None) -> bytes:
+    """Returns the bytes that bring a receiver from the current version to the next.
 
     Args:
       params: the new params (trainer or rollout dtypes, the plan's structure and shapes).
       full: send a dense anchor that a receiver accepts on any base version.
+      version: the version these params are (e.g. the trainer step); default current + 1.
     """
+    data = wire.encode(self.plan, self.payload(params, full=full, version=version))
+    self.last_stats["payload_bytes"] = len(data)
+    return data
+
+  def payload(self, params: PyTree, *, full: bool = False,
+              version: int | None = None) -> wire.Payload:
+    """Like :meth:`send`, but returns the decoded :class:`wire.Payload` (what a
+    :class:`Receiver` applies with :meth:`Receiver.apply_payload`), not its bytes."""
+    version = self.version + 1 if version is None else _check_version(version)
+    if version <= self.version:
+      raise VersionError(f"version {version} must be newer than the sender's {self.version}")
     plan = self.plan
     flat = commit_leaves(plan.flatten(params, what="params"))
     delta, snapshot, digest = _sender_step(plan, self._snapshot, flat)
     self._snapshot = snapshot
     delta = jax.device_get(delta)
-    version = self.version + 1
     full = full or (self.anchor_every is not None and version % self.anchor_every == 0)
     segments = []
     for s, seg in enumerate(plan.segments):
@@ -132,14 +216,13 @@ class Sender:
     new_digest = _digest_bytes(digest)
     payload = wire.Payload(wire.ANCHOR if full else wire.DELTA, self.version, version,
                            self._digest, new_digest, tuple(segments))
-    data = wire.encode(plan, payload)
     self.version, self._digest = version, new_digest
     self.last_stats = {
         "version": version, "changed": int(np.sum(delta.counts)),
-        "elements": plan.num_elements, "payload_bytes": len(data),
+        "elements": plan.num_elements,
         "dense_bytes": plan.rollout_bytes, "overflowed_segments": int(np.sum(delta.overflow)),
         "anchor": full}
-    return data
+    return payload
 
 
 class Receiver:
@@ -159,7 +242,7 @@ class Receiver:
 
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0, donate: bool = True):
     self.plan = plan
-    self.version = version
+    self.version = _check_version(version)
     self._flat = commit_leaves(plan.flatten(params, what="params", rollout_only=True))
     self._layouts = receiver_layouts(plan, self._flat)
     self._apply = _apply_donated if donate else _apply_copying
@@ -170,6 +253,25 @@ class Receiver:
     """The current rollout params."""
     return jax.tree.unflatten(self.plan.treedef, self._flat)
 
+  def state(self) -> dict[str, Any]:
+    """What a restarted rollout needs to resume without a full resend (see :func:`sync_state`).
+    The arrays are the live params: save them before the next ``receive``."""
+    return sync_state(self.plan, self.version, self._digest, self.params)
+
+  @classmethod
+  def restore(cls, plan: Plan, state: dict[str, Any], *, donate: bool = True) -> "Receiver":
+    """A receiver that resumes from ``state`` (from :meth:`state`, e.g. restored by Orbax onto
+    the rollout shardings, see :func:`abstract_sync_state`).
+
+    Raises:
+      PlanMismatchError: the state belongs to another plan.
+      IntegrityError: the restored params do not match the digest saved with them.
+    """
+    version, digest, params = _check_state(plan, state, rollout_only=True)
+    receiver = cls(plan, params, version=version, donate=donate)
+    _check_digest(receiver._digest, digest, version)
+    return receiver
+
   def receive(self, data: bytes) -> PyTree:
     """Applies a payload and returns the new params.
 
@@ -179,8 +281,11 @@ class Receiver:
       IntegrityError: the receiver's state is not the one the delta was computed against.
       In all three cases nothing was changed.
     """
+    return self.apply_payload(wire.decode(self.plan, data))
+
+  def apply_payload(self, payload: wire.Payload) -> PyTree:
+    """:meth:`receive` for an already decoded (and validated) payload."""
     plan = self.plan
-    payload = wire.decode(plan, data)
     if payload.kind == wire.DELTA:
       if payload.base_version != self.version:
         raise VersionError(f"payload turns version {payload.base_version} into "

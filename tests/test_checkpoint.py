@@ -1,0 +1,251 @@
+"""Orbax persistence: resumable Sender/Receiver state and delta checkpoint chains."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jsparse
+from jsparse.testing import assert_trees_bitwise_equal
+from tests import strategies
+
+SHAPES = {"w": (64, 96), "emb": (128, 48), "b": (96,), "scalar": ()}
+
+
+def _steps(seed: int, num: int, density: float = 0.02):
+  """``num`` fp32 trees with special values, each a sparse random update of the one before."""
+  rng = np.random.default_rng(seed)
+  tree = {k: strategies.with_specials(rng, rng.normal(size=s).astype(np.float32))
+          for k, s in SHAPES.items()}
+  out = [tree]
+  for _ in range(num - 1):
+    tree = {k: strategies.with_specials(rng, strategies.perturb(rng, v, density))
+            for k, v in tree.items()}
+    out.append(tree)
+  return [jax.tree.map(jnp.asarray, t) for t in out]
+
+
+def _plan(tree):
+  return jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, capacity=0.05, bucket_size=1024)
+
+
+def _sharded(tree, mesh_shape, names, specs):
+  mesh = jax.make_mesh(mesh_shape, names, devices=jax.devices()[:int(np.prod(mesh_shape))])
+  return {k: NamedSharding(mesh, specs.get(k, P())) for k in tree}
+
+
+def test_chain_restores_every_step_exactly_with_rebasing_onto_another_mesh(tmp_path):
+  trees = _steps(0, 9)
+  trainer = _sharded(trees[0], (8,), ("fsdp",), {"w": P("fsdp", None), "emb": P("fsdp", None)})
+  trees = [{k: jax.device_put(v, trainer[k]) for k, v in t.items()} for t in trees]
+  plan = _plan(trees[0])
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, rebase_every=3) as chain:
+    kinds = [chain.save(step, t)["kind"] for step, t in enumerate(trees)]
+    assert kinds == ["base", "delta", "delta", "delta"] * 2 + ["base"]
+    assert chain.chain(6) == [4, 5, 6]
+    rollout = _sharded(trees[0], (2, 4), ("data", "tensor"),
+                       {"w": P(None, "tensor"), "emb": P("tensor", None)})
+    for step, tree in enumerate(trees):
+      restored = chain.restore(step, shardings=rollout)
+      assert_trees_bitwise_equal(restored, plan.cast(tree))
+      for k, leaf in restored.items():
+        assert leaf.sharding.is_equivalent_to(rollout[k], leaf.ndim), k
+
+
+def test_deltas_are_small_and_overflow_goes_dense(tmp_path):
+  trees = _steps(1, 3, density=0.01)
+  trees.append({**trees[-1], "w": trees[-1]["w"] + 1.0})  # every element of w changes
+  plan = _plan(trees[0])
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, rebase_every=10) as chain:
+    stats = [chain.save(step, t) for step, t in enumerate(trees)]
+    assert [s["kind"] for s in stats] == ["base", "delta", "delta", "delta"]
+    w_segment = plan.leaf_segment()[[l.path for l in plan.leaves].index("['w']")][0]
+    assert chain.meta(3)["modes"][w_segment] == "dense"
+    assert_trees_bitwise_equal(chain.restore(3), plan.cast(trees[3]))
+  assert stats[1]["bytes"] < stats[0]["bytes"]
+
+
+def test_retention_never_deletes_what_a_kept_step_needs(tmp_path):
+  trees = _steps(2, 12)
+  plan = _plan(trees[0])
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, rebase_every=4, max_to_keep=3) as chain:
+    for step, tree in enumerate(trees):
+      chain.save(step, tree)
+      kept = chain.all_steps()
+      for s in kept[-3:]:
+        assert set(chain.chain(s)) <= set(kept)
+    # bases at 0, 5, 10; the newest three steps 9, 10, 11 need 5..9 and 10..11
+    assert chain.all_steps() == [5, 6, 7, 8, 9, 10, 11]
+    for step in (9, 10, 11):
+      assert_trees_bitwise_equal(chain.restore(step), plan.cast(trees[step]))
+
+
+def test_reopened_manager_continues_the_chain(tmp_path):
+  trees = _steps(3, 6)
+  plan = _plan(trees[0])
+  with jsparse.DeltaCheckpointManager(tmp_path, plan) as chain:
+    for step in range(3):
+      chain.save(step, trees[step])
+  with jsparse.DeltaCheckpointManager(tmp_path, plan) as chain:
+    assert chain.save(3, trees[3])["kind"] == "delta"
+    with pytest.raises(ValueError, match="newer"):
+      chain.save(3, trees[3])
+    chain.save(5, trees[5])
+    assert chain.chain(5) == [0, 1, 2, 3, 5]
+    for step in (0, 1, 2, 3, 5):
+      assert_trees_bitwise_equal(chain.restore(step), plan.cast(trees[step]))
+
+
+def _delta_files(root: Path, step: int) -> list[Path]:
+  return [f for f in (root / str(step) / "delta").rglob("*") if f.is_file() and f.stat().st_size]
+
+
+def test_missing_or_corrupted_delta_is_named_never_a_wrong_restore(tmp_path):
+  trees = _steps(4, 6)
+  plan = _plan(trees[0])
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, rebase_every=10) as chain:
+    for step, tree in enumerate(trees):
+      chain.save(step, tree)
+  # Corrupt every data file of step 2's delta (flip bytes in the middle of each).
+  for f in _delta_files(tmp_path, 2):
+    data = bytearray(f.read_bytes())
+    for i in range(len(data) // 2, min(len(data), len(data) // 2 + 8)):
+      data[i] ^= 0x5A
+    f.write_bytes(bytes(data))
+  with jsparse.DeltaCheckpointManager(tmp_path, plan) as chain:
+    assert_trees_bitwise_equal(chain.restore(1), plan.cast(trees[1]))
+    for step in (2, 3):
+      with pytest.raises(jsparse.CheckpointError, match="step 2"):
+        chain.restore(step)
+  # A missing delta.
+  import shutil
+  shutil.rmtree(tmp_path / "4")
+  with jsparse.DeltaCheckpointManager(tmp_path, plan) as chain:
+    with pytest.raises(jsparse.CheckpointError, match="step 4 is missing"):
+      chain.restore(5)
+    with pytest.raises(jsparse.CheckpointError, match="step 4 is not"):
+      chain.restore(4)
+
+
+def test_chain_saved_with_another_plan_is_refused(tmp_path):
+  trees = _steps(5, 2)
+  with jsparse.DeltaCheckpointManager(tmp_path, _plan(trees[0])) as chain:
+    chain.save(0, trees[0])
+  other = jsparse.make_plan(trees[0], rollout_dtype=jnp.float16)
+  with jsparse.DeltaCheckpointManager(tmp_path, other) as chain:
+    with pytest.raises(jsparse.CheckpointError, match="another plan"):
+      chain.restore(0)
+
+
+_CHILD = """
+import os, signal, sys
+import jax, jax.numpy as jnp, numpy as np
+import orbax.checkpoint as ocp
+import jsparse
+from tests.test_checkpoint import _plan, _steps
+directory, crash_step, mode, num = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+trees = _steps(6, num)
+chain = jsparse.DeltaCheckpointManager(directory, _plan(trees[0]), rebase_every=3)
+for step, tree in enumerate(trees):
+  if step == crash_step and mode == "before-commit":
+    def die(*args, **kwargs):  # everything of the step is written, nothing committed yet
+      os.kill(os.getpid(), signal.SIGKILL)
+    ocp.handlers.JsonCheckpointHandler.finalize = die
+  chain.save(step, tree)
+  print("saved", step, flush=True)
+"""
+
+
+@pytest.mark.parametrize("crash_step", [3, 5])  # a base (3) and a delta (5)
+def test_save_killed_before_commit_leaves_last_complete_step_restorable(tmp_path, crash_step):
+  root = Path(__file__).resolve().parents[1]
+  proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), str(crash_step),
+                         "before-commit", "8"], cwd=root, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+  assert proc.stdout.split() [-1] == str(crash_step - 1)
+  leftovers = [p.name for p in tmp_path.iterdir() if "tmp" in p.name]
+  assert leftovers, "the kill should land inside the save"
+  trees = _steps(6, 8)
+  plan = _plan(trees[0])
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, rebase_every=3) as chain:
+    assert chain.all_steps() == list(range(crash_step))
+    for step in range(crash_step):
+      assert_trees_bitwise_equal(chain.restore(step), plan.cast(trees[step]))
+    chain.save(crash_step, trees[crash_step])  # the chain goes on where it stopped
+    assert_trees_bitwise_equal(chain.restore(crash_step), plan.cast(trees[crash_step]))
+
+
+def test_save_killed_at_random_moments_never_leaves_a_bad_step(tmp_path):
+  root = Path(__file__).resolve().parents[1]
+  trees = _steps(6, 40)
+  plan = _plan(trees[0])
+  rng = np.random.default_rng(0)
+  for attempt in range(3):
+    directory = tmp_path / f"run{attempt}"
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(directory), "-1", "none", "40"],
+                            cwd=root, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # wait for a couple of complete steps, then kill mid-run
+      if line.strip() == "saved 2":
+        break
+    time.sleep(float(rng.uniform(0.0, 0.3)))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    with jsparse.DeltaCheckpointManager(directory, plan, rebase_every=3) as chain:
+      steps = chain.all_steps()
+      assert steps == list(range(len(steps))) and 3 <= len(steps) < 40, steps
+      for step in steps:
+        assert_trees_bitwise_equal(chain.restore(step), plan.cast(trees[step]))
+
+
+def test_sender_and_receiver_resume_from_orbax_without_a_full_resend(tmp_path):
+  trees = _steps(7, 6)
+  plan = _plan(trees[0])
+  sender = jsparse.Sender(plan, trees[0])
+  receiver = jsparse.Receiver(plan, plan.cast(trees[0]))
+  for tree in trees[1:3]:
+    receiver.receive(sender.send(tree))
+  options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+  for name, side in (("trainer", sender), ("rollout", receiver)):
+    with ocp.CheckpointManager(tmp_path / name, options=options) as manager:
+      manager.save(2, args=ocp.args.Composite(sync=ocp.args.StandardSave(side.state())))
+  # Restarted processes: the rollout restores onto another mesh than it ran on.
+  rollout = _sharded(trees[0], (2, 2), ("data", "tensor"), {"w": P(None, "tensor")})
+  with ocp.CheckpointManager(tmp_path / "trainer", options=options) as manager:
+    state = manager.restore(2, args=ocp.args.Composite(
+        sync=ocp.args.StandardRestore(jsparse.abstract_sync_state(plan))))["sync"]
+    sender = jsparse.Sender.restore(plan, state)
+  with ocp.CheckpointManager(tmp_path / "rollout", options=options) as manager:
+    state = manager.restore(2, args=ocp.args.Composite(
+        sync=ocp.args.StandardRestore(jsparse.abstract_sync_state(plan, rollout))))["sync"]
+    receiver = jsparse.Receiver.restore(plan, state)
+  assert sender.version == receiver.version == 2
+  for tree in trees[3:]:
+    data = sender.send(tree)
+    assert sender.last_stats["anchor"] is False
+    assert len(data) < plan.rollout_bytes / 4
+    out = receiver.receive(data)
+    assert_trees_bitwise_equal(out, plan.cast(tree))
+  assert out["w"].sharding.is_equivalent_to(rollout["w"], 2)
+
+
+def test_restored_sync_state_is_checked():
+  trees = _steps(8, 2)
+  plan = _plan(trees[0])
+  state = jsparse.Sender(plan, trees[0]).state()
+  tampered = {**state, "params": {**state["params"], "b": state["params"]["b"].at[3].add(1)}}
+  with pytest.raises(jsparse.IntegrityError, match="digest"):
+    jsparse.Receiver.restore(plan, tampered)
+  other = jsparse.make_plan(trees[0], rollout_dtype=jnp.float16)
+  with pytest.raises(jsparse.PlanMismatchError, match="another plan"):
+    jsparse.Sender.restore(other, state)
+  with pytest.raises(jsparse.PlanMismatchError, match="keys"):
+    jsparse.Sender.restore(plan, {"params": state["params"]})
