@@ -19,14 +19,29 @@ def test_large_leaves_get_own_segments_small_ones_are_pooled():
   assert all(s.capacity == s.size for s in plan.segments if s.pooled)
 
 
-def test_pools_are_per_bit_width_and_cover_every_leaf_once():
+def test_pools_are_per_dtype_and_cover_every_leaf_once():
   tree = {"a": jnp.zeros(3, jnp.int8), "b": jnp.zeros(3, jnp.float32), "c": jnp.zeros(3, bool),
-          "d": jnp.zeros((), jnp.float16), "e": jnp.zeros((0, 4))}
+          "d": jnp.zeros((), jnp.float16), "e": jnp.zeros((0, 4)), "f": jnp.zeros(5, jnp.int8)}
   plan = jsparse.make_plan(tree)
-  widths = {np.dtype(s.bit_dtype).itemsize: len(s.leaf_ids) for s in plan.segments}
-  assert widths == {1: 2, 4: 1, 2: 1}
+  pools = {str(s.dtype): (len(s.leaf_ids), s.ordered) for s in plan.segments}
+  assert pools == {"int8": (2, False), "float32": (1, True), "bool": (1, False),
+                   "float16": (1, True)}
   covered = sorted(i for s in plan.segments for i in s.leaf_ids)
-  assert covered == [0, 1, 2, 3]  # the zero-size leaf needs no segment
+  assert covered == [0, 1, 2, 3, 5]  # the zero-size leaf needs no segment
+
+
+def test_leaves_split_on_either_side_are_not_ordered():
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  tree = {"trainer_split": jax.device_put(jnp.zeros(8), split), "rollout_split": jnp.zeros(8),
+          "neither": jnp.zeros(8)}
+  plan = jsparse.make_plan(tree, bucket_size=1, rollout_shardings={
+      "trainer_split": whole, "rollout_split": split, "neither": whole})
+  ordered = {plan.leaves[s.leaf_ids[0]].path: s.ordered for s in plan.segments}
+  assert ordered == {"['trainer_split']": False, "['rollout_split']": False, "['neither']": True}
+  with pytest.raises(jsparse.PlanError, match="rollout_shardings"):
+    jsparse.make_plan(tree, rollout_shardings={"neither": whole})
 
 
 @pytest.mark.parametrize("capacity, expected", [(0.5, 50), (1.0, 100), (7, 7), (10**6, 100),

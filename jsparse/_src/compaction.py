@@ -33,7 +33,7 @@ def pack_words(mask: jax.Array) -> jax.Array:
   return jnp.sum(words, axis=1, dtype=jnp.uint32)  # distinct bits: the sum is the bitwise or
 
 
-def _rank_select(word: jax.Array, rank: jax.Array) -> jax.Array:
+def rank_select(word: jax.Array, rank: jax.Array) -> jax.Array:
   """Position of the ``rank``-th (1-based) set bit of each uint32 ``word``."""
   pos = jnp.zeros(word.shape, jnp.uint32)
   for step in (16, 8, 4, 2, 1):
@@ -57,7 +57,7 @@ def changed_positions(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Ar
   word_id = jnp.searchsorted(ends, k, side="left", method="scan").astype(jnp.int32)
   safe_word = jnp.minimum(word_id, words.shape[0] - 1)
   before = jnp.where(word_id > 0, ends[jnp.maximum(safe_word - 1, 0)], 0)
-  bit = _rank_select(words[safe_word], k - before)
+  bit = rank_select(words[safe_word], k - before)
   positions = jnp.where(k <= count, safe_word * _WORD + bit, size)
   return positions, count
 

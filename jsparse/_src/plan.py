@@ -34,6 +34,7 @@ import numpy as np
 from jsparse._src import bits as bits_lib
 from jsparse._src.errors import PlanError, PlanMismatchError
 from jsparse._src.sharded import Layout
+from jsparse._src.ulp import is_float
 
 PyTree = Any
 RolloutDtype = Any  # None | dtype | Callable[[str, jax.ShapeDtypeStruct], dtype | None]
@@ -52,6 +53,8 @@ class LeafSpec:
     rollout_dtype: the dtype the rollout holds (e.g. bfloat16); diff casts to it.
     layout: how the trainer splits the leaf into blocks over its mesh (None: not split); diff
       works block by block on it.
+    rollout_split: whether the rollout splits the leaf into blocks (from ``make_plan``'s
+      ``rollout_shardings``); such leaves are not coded in exponent order.
   """
 
   path: str
@@ -59,6 +62,7 @@ class LeafSpec:
   dtype: np.dtype
   rollout_dtype: np.dtype
   layout: Layout | None = None
+  rollout_split: bool = False
 
   @property
   def size(self) -> int:
@@ -74,21 +78,29 @@ class Segment:
     offsets: start of each leaf inside the segment's flat index space.
     size: number of elements in the segment.
     capacity: static number of (index, value) slots a Delta holds for this segment.
-    bit_dtype: unsigned dtype of the rollout bit patterns of every leaf in the segment.
+    dtype: the rollout dtype of every leaf in the segment.
     blocks: how many trainer blocks the (single, sharded) leaf has; each block has
       ``capacity // blocks`` slots.
+    ordered: whether the compact wire format names its changes by rank in the exponent-class
+      order (float leaves that neither side splits into blocks) rather than by position.
   """
 
   leaf_ids: tuple[int, ...]
   offsets: tuple[int, ...]
   size: int
   capacity: int
-  bit_dtype: np.dtype
+  dtype: np.dtype
   blocks: int = 1
+  ordered: bool = False
 
   @property
   def pooled(self) -> bool:
     return len(self.leaf_ids) > 1
+
+  @property
+  def bit_dtype(self) -> np.dtype:
+    """Unsigned dtype of the rollout bit patterns of the segment's leaves."""
+    return bits_lib.bit_dtype(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +124,7 @@ class Plan:
     """16 bytes that identify the plan's layout; payloads carry it so a receiver with another plan
     refuses them."""
     leaves = [(l.path, l.shape, str(l.dtype), str(l.rollout_dtype),
-               l.layout.parts if l.layout else None) for l in self.leaves]
+               l.layout.parts if l.layout else None, l.rollout_split) for l in self.leaves]
     description = repr((str(self.treedef), leaves, self.segments, self.bucket_size))
     return hashlib.blake2b(description.encode(), digest_size=16).digest()
 
@@ -212,7 +224,8 @@ def _capacity(capacity: float | int, size: int, name: str) -> int:
 
 
 def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: float | int = 0.05,
-              pooled_capacity: float | int = 1.0, bucket_size: int = 2**16) -> Plan:
+              pooled_capacity: float | int = 1.0, bucket_size: int = 2**16,
+              rollout_shardings: PyTree | None = None) -> Plan:
   """Builds the static plan that ``diff``, ``apply``, ``Sender`` and ``Receiver`` share.
 
   Args:
@@ -227,6 +240,11 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
       change far more often than large matrices, and a pool is small, so the default carries every
       element.
     bucket_size: leaves smaller than this are pooled into shared segments of at most this size.
+    rollout_shardings: the shardings the rollout will hold the leaves in (a tree with the
+      structure of ``tree``; None: the rollout splits no leaf into blocks). The compact wire
+      format names the changes of a leaf that neither side splits by their rank in an order
+      derived from the whole leaf; a leaf the rollout splits is named by position instead, so
+      each rollout device can apply its own block.
 
   Returns:
     A hashable :class:`Plan`.
@@ -237,8 +255,14 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
   if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
     raise PlanError(f"bucket_size must be a positive int, got {bucket_size!r}")
   flat_with_path, treedef = jax.tree.flatten_with_path(tree)
+  rollout_placements = [None] * len(flat_with_path)
+  if rollout_shardings is not None:
+    try:
+      rollout_placements = treedef.flatten_up_to(rollout_shardings)
+    except (ValueError, TypeError) as e:
+      raise PlanError(f"rollout_shardings: tree structure differs from the params: {e}") from e
   leaves = []
-  for path, value in flat_with_path:
+  for (path, value), rollout_sharding in zip(flat_with_path, rollout_placements):
     name = jax.tree_util.keystr(path)
     dtype = getattr(value, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -251,7 +275,8 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
     for label, d in (("dtype", struct.dtype), ("rollout dtype", target)):
       if not bits_lib.is_supported_dtype(d):
         raise PlanError(f"leaf {name} has unsupported {label} {d}")
-    leaf = LeafSpec(name, struct.shape, np.dtype(struct.dtype), target, layout)
+    rollout_split = Layout.of(rollout_sharding, struct.shape) is not None
+    leaf = LeafSpec(name, struct.shape, np.dtype(struct.dtype), target, layout, rollout_split)
     if leaf.size > MAX_SEGMENT_ELEMENTS:
       raise PlanError(
           f"leaf {name} has {leaf.size} elements, more than {MAX_SEGMENT_ELEMENTS} (int32 "
@@ -268,30 +293,32 @@ def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity
   segments: list[Segment] = []
   open_pools: dict[np.dtype, list[int]] = {}
 
-  def close(pool: list[int], width: np.dtype) -> None:
+  def close(pool: list[int], dtype: np.dtype) -> None:
     offsets = tuple(np.cumsum([0] + [leaves[i].size for i in pool[:-1]]).tolist())
     size = sum(leaves[i].size for i in pool)
     cap = capacity if len(pool) == 1 and size >= bucket_size else pooled_capacity
-    segments.append(Segment(tuple(pool), offsets, size, _capacity(cap, size, "capacity"), width))
+    ordered = is_float(dtype) and not any(leaves[i].rollout_split for i in pool)
+    segments.append(Segment(tuple(pool), offsets, size, _capacity(cap, size, "capacity"), dtype,
+                            ordered=ordered))
 
   for leaf_id, leaf in enumerate(leaves):
     if leaf.size == 0:
       continue
-    width = bits_lib.bit_dtype(leaf.rollout_dtype)
+    dtype = leaf.rollout_dtype
     if leaf.layout is not None:  # sharded: never pooled, a capacity per block
       blocks = leaf.layout.blocks
       per_block = _capacity(capacity, leaf.size // blocks, "capacity")
-      segments.append(Segment((leaf_id,), (0,), leaf.size, per_block * blocks, width, blocks))
+      segments.append(Segment((leaf_id,), (0,), leaf.size, per_block * blocks, dtype, blocks))
       continue
     if leaf.size >= bucket_size:
-      close([leaf_id], width)
+      close([leaf_id], dtype)
       continue
-    pool = open_pools.setdefault(width, [])
+    pool = open_pools.setdefault(dtype, [])  # one dtype per pool: values are coded by dtype
     if pool and sum(leaves[i].size for i in pool) + leaf.size > bucket_size:
-      close(pool, width)
-      pool = open_pools[width] = []
+      close(pool, dtype)
+      pool = open_pools[dtype] = []
     pool.append(leaf_id)
-  for width, pool in open_pools.items():
+  for dtype, pool in open_pools.items():
     if pool:
-      close(pool, width)
+      close(pool, dtype)
   return tuple(segments)
