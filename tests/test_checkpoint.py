@@ -34,8 +34,9 @@ def _steps(seed: int, num: int, density: float = 0.02):
   return [jax.tree.map(jnp.asarray, t) for t in out]
 
 
-def _plan(tree):
-  return jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, capacity=0.05, bucket_size=1024)
+def _plan(tree, **options):
+  return jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, capacity=0.05, bucket_size=1024,
+                           **options)
 
 
 def _sharded(tree, mesh_shape, names, specs):
@@ -208,7 +209,8 @@ def test_save_killed_at_random_moments_never_leaves_a_bad_step(tmp_path):
 
 def test_sender_and_receiver_resume_from_orbax_without_a_full_resend(tmp_path):
   trees = _steps(7, 6)
-  plan = _plan(trees[0])
+  rollout = _sharded(trees[0], (2, 2), ("data", "tensor"), {"w": P(None, "tensor")})
+  plan = _plan(trees[0], rollout_shardings=rollout)
   sender = jsparse.Sender(plan, trees[0])
   receiver = jsparse.Receiver(plan, plan.cast(trees[0]))
   for tree in trees[1:3]:
@@ -218,7 +220,6 @@ def test_sender_and_receiver_resume_from_orbax_without_a_full_resend(tmp_path):
     with ocp.CheckpointManager(tmp_path / name, options=options) as manager:
       manager.save(2, args=ocp.args.Composite(sync=ocp.args.StandardSave(side.state())))
   # Restarted processes: the rollout restores onto another mesh than it ran on.
-  rollout = _sharded(trees[0], (2, 2), ("data", "tensor"), {"w": P(None, "tensor")})
   with ocp.CheckpointManager(tmp_path / "trainer", options=options) as manager:
     state = manager.restore(2, args=ocp.args.Composite(
         sync=ocp.args.StandardRestore(jsparse.abstract_sync_state(plan))))["sync"]

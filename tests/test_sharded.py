@@ -67,19 +67,35 @@ def test_pure_diff_and_apply_across_layouts(trainer, rollout):
 
 @pytest.mark.parametrize("trainer, rollout", PAIRS)
 @pytest.mark.parametrize("density", [0.02, 0.6])
-def test_sender_receiver_across_layouts(trainer, rollout, density):
+@pytest.mark.parametrize("wire_format", [1, 2])
+def test_sender_receiver_across_layouts(trainer, rollout, density, wire_format):
   base, _ = _trees(1, 0.0)
   params = _place(base, trainer)
-  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.1, bucket_size=256)
-  sender = jsparse.Sender(plan, params)
-  receiver = jsparse.Receiver(plan, _place(jax.tree.map(np.asarray, plan.cast(base)), rollout))
-  shardings = {k: v.sharding for k, v in receiver.params.items()}
+  rollout_params = _place(jax.tree.map(np.asarray, base), rollout)
+  shardings = {k: v.sharding for k, v in rollout_params.items()}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.1, bucket_size=256,
+                           rollout_shardings=shardings)
+  sender = jsparse.Sender(plan, params, wire_format=wire_format)
+  receiver = jsparse.Receiver(plan, plan.cast(rollout_params))
   rng = np.random.default_rng(2)
   for _ in range(2):  # density 0.6 overflows: those leaves travel densely
     base = {k: strategies.perturb(rng, v, density) for k, v in base.items()}
     out = receiver.receive(sender.send(_place(base, trainer)))
     assert_trees_bitwise_equal(out, plan.cast(base))
     _assert_layout(out, shardings)
+
+
+def test_compact_payload_for_a_leaf_the_plan_did_not_know_split_is_refused_unapplied():
+  base, new = _trees(4, 0.05)
+  plan = jsparse.make_plan(base, rollout_dtype=jnp.bfloat16, bucket_size=256)  # no hint
+  rollout = _place(jax.tree.map(np.asarray, plan.cast(base)), "fsdp4")
+  receiver = jsparse.Receiver(plan, rollout)
+  with pytest.raises(jsparse.PlanMismatchError, match="rollout_shardings"):
+    receiver.receive(jsparse.Sender(plan, base).send(new))
+  assert receiver.version == 0
+  assert_trees_bitwise_equal(receiver.params, plan.cast(base))
+  out = receiver.receive(jsparse.Sender(plan, base, wire_format=1).send(new))  # lists: fine
+  assert_trees_bitwise_equal(out, plan.cast(new))
 
 
 def test_sharded_leaves_get_per_block_capacity_and_are_not_pooled():

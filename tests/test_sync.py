@@ -141,16 +141,20 @@ def test_receiver_refuses_params_that_do_not_match_the_plan():
     jsparse.Receiver(plan, {"w": jnp.zeros(4)})
 
 
-def test_no_recompilation_across_sends_and_receives():
-  from jsparse._src import sync
+@pytest.mark.parametrize("wire_format", [1, 2])
+def test_no_recompilation_across_sends_and_receives(wire_format):
+  from jsparse._src import sync_steps
   rng = np.random.default_rng(5)
   params = jax.tree.map(jnp.asarray, _tree(rng))
-  plan, sender, receiver = _pair(params, rollout_dtype=jnp.bfloat16, bucket_size=1000)
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, bucket_size=1000)
+  sender = jsparse.Sender(plan, params, wire_format=wire_format)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  jitted = (sync_steps.sender_step, sync_steps.apply_bits[True], sync_steps.apply_steps[True],
+            sync_steps.digest)
   receiver.receive(sender.send(params))
-  sizes = (sync._sender_step._cache_size(), sync._apply_donated._cache_size(),
-           sync._digest._cache_size())
+  receiver.receive(sender.send(jax.tree.map(lambda x: x * (1 + 1e-3), params)))
+  sizes = [f._cache_size() for f in jitted]
   for step in range(5):
     params = jax.tree.map(lambda x: x * (1 + 1e-3), params)
     receiver.receive(sender.send(params))
-  assert (sync._sender_step._cache_size(), sync._apply_donated._cache_size(),
-          sync._digest._cache_size()) == sizes
+  assert [f._cache_size() for f in jitted] == sizes

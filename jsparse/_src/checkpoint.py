@@ -3,7 +3,8 @@
 Every step is an ordinary Orbax checkpoint, written by ``ocp.CheckpointManager`` with its atomic
 commit: a *base* step holds the full tree in rollout dtypes (``params``), a *delta* step holds
 only what changed since the step before it (``delta``: the plain arrays of a
-:class:`~jsparse.Sender` payload). Both carry a small JSON ``meta`` item: the step the delta
+:class:`~jsparse.Sender` payload in positions and new bit patterns, which any target sharding
+can apply block by block). Both carry a small JSON ``meta`` item: the step the delta
 applies to, the chain's base, the plan fingerprint and the 64-bit digest of the bit patterns
 after the step. Restoring step ``s`` restores its base onto the shardings asked for, then applies
 the deltas in order, checking every digest, so a restore is bit-exact or an error that names the
@@ -187,7 +188,7 @@ class DeltaCheckpointManager:
     self._sender = None  # until this step is committed
     chain_length = len(self.chain(sender.version)) if sender is not None else 0
     if force_base or sender is None or chain_length > self.rebase_every:
-      sender = Sender(self.plan, params, version=step)
+      sender = Sender(self.plan, params, version=step, wire_format=wire.LISTS)
       meta = {"kind": "base", "base": step, "parent": None, "changed": self.plan.num_elements}
       item = ocp.args.StandardSave(sender.snapshot)
       args = ocp.args.Composite(params=item, meta=ocp.args.JsonSave(self._meta_of(step, meta, sender)))
@@ -271,7 +272,7 @@ class DeltaCheckpointManager:
       logging.warning("jsparse: cannot continue the chain of step %d (%s); starting a base",
                       latest, e)
       return None
-    return Sender(self.plan, restored, version=latest)
+    return Sender(self.plan, restored, version=latest, wire_format=wire.LISTS)
 
   def _apply_retention(self) -> None:
     if self.max_to_keep is None:

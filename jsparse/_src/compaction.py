@@ -63,13 +63,15 @@ def changed_positions(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Ar
 
 
 def changed_elements(base: jax.Array, new: jax.Array, rollout_dtype: np.dtype,
-                     capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     capacity: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Compares two flat arrays in ``rollout_dtype`` bits and returns the first ``capacity``
-  changed positions (the size where unused), their new rollout bits (0 where unused), and the
-  number of changed elements."""
+  changed positions (the size where unused), their new and old rollout bits (0 where unused),
+  and the number of changed elements."""
   size = new.shape[0]
   old_bits = bits_lib.to_bits(base.astype(rollout_dtype))
   positions, count = changed_positions(old_bits != bits_lib.to_bits(new.astype(rollout_dtype)),
                                        capacity)
-  values = bits_lib.gather_rollout_bits(new, jnp.minimum(positions, size - 1), rollout_dtype)
-  return positions, jnp.where(positions < size, values, 0), count
+  used, safe = positions < size, jnp.minimum(positions, size - 1)
+  new_values = bits_lib.gather_rollout_bits(new, safe, rollout_dtype)
+  old_values = bits_lib.gather_rollout_bits(base, safe, rollout_dtype)
+  return positions, jnp.where(used, new_values, 0), jnp.where(used, old_values, 0), count

@@ -20,7 +20,7 @@ shapes depend on the plan only.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from jsparse._src.compaction import changed_elements
 from jsparse._src.errors import PlanMismatchError
 from jsparse._src.plan import LeafSpec, Plan, Segment
 from jsparse._src.sharded import Layout, apply_blocks, diff_blocks
+from jsparse._src.ulp import apply_step_codes
 
 PyTree = Any
 
@@ -68,35 +69,42 @@ def segment_bits(plan: Plan, segment: Segment, flat: list[jax.Array]) -> jax.Arr
 
 
 def _diff_segment(plan: Plan, segment: Segment, base: list, new: list) -> tuple[jax.Array, ...]:
-  """(positions, values, count, overflow) of one segment."""
+  """(positions, new values, old values, count, overflow) of one segment."""
   if segment.blocks > 1:
     leaf_id = segment.leaf_ids[0]
     leaf = plan.leaves[leaf_id]
     per_block = segment.capacity // segment.blocks
-    positions, values, block_counts = diff_blocks(
+    positions, values, old_values, block_counts = diff_blocks(
         leaf.layout, leaf.shape, leaf.rollout_dtype, per_block, jnp.asarray(base[leaf_id]),
         jnp.asarray(new[leaf_id]))
-    return (positions, values.astype(segment.bit_dtype), jnp.sum(block_counts),
-            jnp.any(block_counts > per_block))
+    return (positions, values.astype(segment.bit_dtype), old_values.astype(segment.bit_dtype),
+            jnp.sum(block_counts), jnp.any(block_counts > per_block))
   if not segment.pooled:
     leaf_id = segment.leaf_ids[0]
-    positions, values, count = changed_elements(
+    positions, values, old_values, count = changed_elements(
         jnp.asarray(base[leaf_id]).reshape(-1), jnp.asarray(new[leaf_id]).reshape(-1),
         plan.leaves[leaf_id].rollout_dtype, segment.capacity)
   else:  # small leaves, already cast to bits and laid end to end
-    positions, values, count = changed_elements(
+    positions, values, old_values, count = changed_elements(
         segment_bits(plan, segment, base), segment_bits(plan, segment, new), segment.bit_dtype,
         segment.capacity)
-  return positions, values.astype(segment.bit_dtype), count, count > segment.capacity
+  return (positions, values.astype(segment.bit_dtype), old_values.astype(segment.bit_dtype),
+          count, count > segment.capacity)
+
+
+def diff_flat_with_old(plan: Plan, base: list, new: list) -> tuple[Delta, tuple[jax.Array, ...]]:
+  """:func:`diff_flat`, and per segment the old bits at the delta's positions (0 where unused)."""
+  parts = [_diff_segment(plan, seg, base, new) for seg in plan.segments]
+  if not parts:
+    return Delta((), (), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), bool)), ()
+  delta = Delta(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
+                jnp.stack([p[3] for p in parts]), jnp.stack([p[4] for p in parts]))
+  return delta, tuple(p[2] for p in parts)
 
 
 def diff_flat(plan: Plan, base: list, new: list) -> Delta:
   """:func:`diff` on already flattened and checked leaves (used inside larger jitted steps)."""
-  parts = [_diff_segment(plan, seg, base, new) for seg in plan.segments]
-  if not parts:
-    return Delta((), (), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), bool))
-  return Delta(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
-               jnp.stack([p[2] for p in parts]), jnp.stack([p[3] for p in parts]))
+  return diff_flat_with_old(plan, base, new)[0]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -147,26 +155,41 @@ def receiver_layouts(plan: Plan, flat: list) -> tuple[Layout | None, ...]:
                for x, leaf in zip(flat, plan.leaves))
 
 
+def _step_decoder(dtype: np.dtype) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """``(old bits, step codes) -> new bits`` for a segment of ``dtype``."""
+  return lambda old, codes: apply_step_codes(old, codes.astype(old.dtype), dtype, jnp)
+
+
 def _apply_leaf(leaf: LeafSpec, layout: Layout | None, base: jax.Array, idx: jax.Array,
-                vals: jax.Array) -> jax.Array:
-  """Scatters bits ``vals`` at flat positions ``idx`` (out of range: skipped) into one leaf."""
+                vals: jax.Array, decode: Callable | None) -> jax.Array:
+  """Scatters bits ``vals`` (or codes, with ``decode``) at flat positions ``idx`` (out of range:
+  skipped) into one leaf."""
   if layout is not None:
-    return apply_blocks(layout, leaf.shape, base, idx, vals)
-  flat = bits_lib.scatter_bits(jnp.asarray(base).reshape(-1), idx, vals)
-  return flat.reshape(leaf.shape)
+    return apply_blocks(layout, leaf.shape, base, idx, vals, decode)
+  flat = jnp.asarray(base).reshape(-1)
+  if decode is not None:
+    vals = decode(bits_lib.gather_rollout_bits(flat, jnp.minimum(idx, leaf.size - 1), flat.dtype),
+                  vals)
+  return bits_lib.scatter_bits(flat, idx, vals).reshape(leaf.shape)
 
 
-def apply_flat(plan: Plan, layouts: tuple[Layout | None, ...], base: list,
-               delta: Delta) -> list[jax.Array]:
+def apply_flat(plan: Plan, layouts: tuple[Layout | None, ...], base: list, delta: Delta, *,
+               step_coded: bool = False) -> list[jax.Array]:
   """:func:`apply` on already flattened and checked rollout leaves, each split into blocks as
-  ``layouts`` says (then every device scatters into its own block only)."""
+  ``layouts`` says (then every device scatters into its own block only). With ``step_coded``,
+  ``delta.values`` are step codes against the old bits (see ``ulp.py``), not new bits."""
   out = list(base)
   for seg, idx, vals in zip(plan.segments, delta.indices, delta.values):
+    decode = _step_decoder(seg.dtype) if step_coded else None
     if not seg.pooled:
       leaf_id = seg.leaf_ids[0]
-      out[leaf_id] = _apply_leaf(plan.leaves[leaf_id], layouts[leaf_id], base[leaf_id], idx, vals)
+      out[leaf_id] = _apply_leaf(plan.leaves[leaf_id], layouts[leaf_id], base[leaf_id], idx, vals,
+                                 decode)
     elif all(layouts[i] is None for i in seg.leaf_ids):  # small leaves: one scatter for the pool
-      merged = segment_bits(plan, seg, base).at[idx].set(vals, mode="drop")
+      bits = segment_bits(plan, seg, base)
+      if decode is not None:
+        vals = decode(bits[jnp.minimum(idx, seg.size - 1)], vals)
+      merged = bits.at[idx].set(vals, mode="drop")
       for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
         leaf = plan.leaves[leaf_id]
         part = merged[offset:offset + leaf.size]
@@ -176,7 +199,7 @@ def apply_flat(plan: Plan, layouts: tuple[Layout | None, ...], base: list,
         leaf = plan.leaves[leaf_id]
         inside = (idx >= offset) & (idx < offset + leaf.size)
         out[leaf_id] = _apply_leaf(leaf, layouts[leaf_id], base[leaf_id],
-                                   jnp.where(inside, idx - offset, leaf.size), vals)
+                                   jnp.where(inside, idx - offset, leaf.size), vals, decode)
   return out
 
 

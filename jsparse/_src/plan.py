@@ -128,6 +128,11 @@ class Plan:
     description = repr((str(self.treedef), leaves, self.segments, self.bucket_size))
     return hashlib.blake2b(description.encode(), digest_size=16).digest()
 
+  def describe_segment(self, s: int) -> str:
+    """How errors name segment ``s``: its index and first leaves."""
+    paths = [self.leaves[i].path for i in self.segments[s].leaf_ids]
+    return f"segment {s} (leaves {paths[:3]}{' ...' if len(paths) > 3 else ''})"
+
   @property
   def num_elements(self) -> int:
     return sum(leaf.size for leaf in self.leaves)

@@ -110,29 +110,31 @@ def diff_blocks(layout: Layout, shape: tuple[int, ...], rollout_dtype: np.dtype,
   """Per-block changes of one leaf, in global flat coordinates.
 
   Returns ``int32[blocks * block_capacity]`` positions (ascending within each block; unused slots
-  hold the leaf size), their rollout bits, and ``int32[blocks]`` per-block change counts.
+  hold the leaf size), their new and old rollout bits, and ``int32[blocks]`` per-block change
+  counts.
   """
   size = math.prod(shape)
   block = layout.block_shape(shape)
 
   def local(base_block, new_block):
     source = new_block.reshape(-1)
-    positions, values, count = changed_elements(
+    positions, values, old_values, count = changed_elements(
         base_block.reshape(-1), source, rollout_dtype, block_capacity)
     valid = positions < source.shape[0]
     local_multi = _unravel(jnp.minimum(positions, source.shape[0] - 1), block)
     starts = layout.block_start(shape)
     global_flat = _ravel([m + s for m, s in zip(local_multi, starts)], shape)
-    return jnp.where(valid, global_flat, size), values, count.reshape(1)
+    return jnp.where(valid, global_flat, size), values, old_values, count.reshape(1)
 
   out = PartitionSpec(layout.split_axes)
-  return layout.shard_map(local, (layout.spec, layout.spec), (out, out, out))(base, new)
+  return layout.shard_map(local, (layout.spec, layout.spec), (out,) * 4)(base, new)
 
 
 def apply_blocks(layout: Layout, shape: tuple[int, ...], base: jax.Array, indices: jax.Array,
-                 values: jax.Array) -> jax.Array:
+                 values: jax.Array, decode: Callable | None = None) -> jax.Array:
   """Scatters (global flat index, bits) pairs into a block-sharded leaf, each device keeping only
-  the pairs inside its own block. ``indices`` and ``values`` are replicated."""
+  the pairs inside its own block. ``indices`` and ``values`` are replicated. With ``decode``,
+  ``values`` are codes: ``decode(old bits at the positions, values)`` gives the bits."""
   size = math.prod(shape)
   block = layout.block_shape(shape)
   block_size = math.prod(block)
@@ -145,7 +147,11 @@ def apply_blocks(layout: Layout, shape: tuple[int, ...], base: jax.Array, indice
       inside &= (m >= s) & (m < s + b)
     local_flat = jnp.where(inside, _ravel([m - s for m, s in zip(multi, starts)], block),
                            block_size)
-    return bits_lib.scatter_bits(base_block.reshape(-1), local_flat, vals).reshape(block)
+    flat = base_block.reshape(-1)
+    if decode is not None:
+      vals = decode(bits_lib.gather_rollout_bits(flat, jnp.minimum(local_flat, block_size - 1),
+                                                 flat.dtype), vals)
+    return bits_lib.scatter_bits(flat, local_flat, vals).reshape(block)
 
   return layout.shard_map(local, (layout.spec, PartitionSpec(), PartitionSpec()),
                           layout.spec)(base, indices, values)

@@ -19,7 +19,6 @@ donated (in place) and checks the digest of the result against the sender's.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -27,41 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse._src import bits as bits_lib
-from jsparse._src import wire
-from jsparse._src.delta import Delta, apply_flat, commit_leaves, diff_flat, receiver_layouts
-from jsparse._src.digest import bits_digest
+from jsparse._src import sync_steps, ulp, wire
+from jsparse._src.delta import Delta, commit_leaves, receiver_layouts
 from jsparse._src.errors import IntegrityError, PlanMismatchError, VersionError
 from jsparse._src.plan import Plan
 
 PyTree = Any
-
-
-def _cast_flat(plan: Plan, flat: list) -> list[jax.Array]:
-  return [jnp.asarray(x).astype(leaf.rollout_dtype) for x, leaf in zip(flat, plan.leaves)]
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _snapshot(plan: Plan, flat: list) -> tuple[list[jax.Array], jax.Array]:
-  snapshot = _cast_flat(plan, flat)
-  return snapshot, bits_digest(snapshot, _trainer_layouts(plan))
-
-
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _sender_step(plan: Plan, snapshot: list, new: list) -> tuple[Delta, list, jax.Array]:
-  delta = diff_flat(plan, snapshot, new)
-  next_snapshot = _cast_flat(plan, new)
-  return delta, next_snapshot, bits_digest(next_snapshot, _trainer_layouts(plan))
-
-
-def _apply_and_digest(plan: Plan, layouts: tuple, flat: list,
-                      delta: Delta) -> tuple[list, jax.Array]:
-  out = apply_flat(plan, layouts, flat, delta)
-  return out, bits_digest(out, layouts)
-
-
-_apply_donated = jax.jit(_apply_and_digest, static_argnums=(0, 1), donate_argnums=2)
-_apply_copying = jax.jit(_apply_and_digest, static_argnums=(0, 1))
-_digest = jax.jit(bits_digest, static_argnums=1)
 
 
 def _check_version(version: Any) -> int:
@@ -116,10 +86,6 @@ def _check_digest(actual: bytes, saved: bytes, version: int) -> None:
                          "the digest saved with them (corrupted or from another run)")
 
 
-def _trainer_layouts(plan: Plan) -> tuple:
-  return tuple(leaf.layout for leaf in plan.leaves)
-
-
 def _digest_bytes(digest: jax.Array) -> bytes:
   return np.asarray(digest, np.uint32).astype("<u4").tobytes()
 
@@ -138,16 +104,23 @@ class Sender:
     params: the params the receiver starts from, in trainer or rollout dtypes.
     version: the version ``params`` are (the receiver must start from the same one).
     anchor_every: if set, every ``anchor_every``-th version is sent as a full (dense) anchor.
+    wire_format: 2 (compact, the default: ~1 byte per change on RL updates, and the receiver
+      makes one pass over its params per payload) or 1 (lists: 4 bytes per change for 16-bit
+      dtypes, no pass; for fast links). See ``jsparse/_src/wire.py``.
   """
 
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0,
-               anchor_every: int | None = None):
+               anchor_every: int | None = None, wire_format: int = wire.COMPACT):
     if anchor_every is not None and (not isinstance(anchor_every, int) or anchor_every < 1):
       raise ValueError(f"anchor_every must be a positive int or None, got {anchor_every!r}")
+    if wire_format not in (wire.LISTS, wire.COMPACT):
+      raise ValueError(f"wire_format must be 1 or 2, got {wire_format!r}")
+    self.wire_format = wire_format
     self.plan = plan
     self.version = _check_version(version)
     self.anchor_every = anchor_every
-    self._snapshot, digest = _snapshot(plan, commit_leaves(plan.flatten(params, what="params")))
+    flat = commit_leaves(plan.flatten(params, what="params"))
+    self._snapshot, digest = sync_steps.snapshot_and_digest(plan, flat)
     self._digest = _digest_bytes(digest)
     self.last_stats: dict[str, Any] = {}
 
@@ -157,8 +130,8 @@ class Sender:
     return sync_state(self.plan, self.version, self._digest, self.snapshot)
 
   @classmethod
-  def restore(cls, plan: Plan, state: dict[str, Any], *,
-              anchor_every: int | None = None) -> "Sender":
+  def restore(cls, plan: Plan, state: dict[str, Any], *, anchor_every: int | None = None,
+              wire_format: int = wire.COMPACT) -> "Sender":
     """A sender that resumes from ``state`` (from :meth:`state`, e.g. restored by Orbax).
 
     Raises:
@@ -166,7 +139,8 @@ class Sender:
       IntegrityError: the restored snapshot does not match the digest saved with it.
     """
     version, digest, params = _check_state(plan, state, rollout_only=False)
-    sender = cls(plan, params, version=version, anchor_every=anchor_every)
+    sender = cls(plan, params, version=version, anchor_every=anchor_every,
+                 wire_format=wire_format)
     _check_digest(sender._digest, digest, version)
     return sender
 
@@ -195,10 +169,12 @@ class Sender:
     if version <= self.version:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}")
     plan = self.plan
+    compact = self.wire_format == wire.COMPACT
     flat = commit_leaves(plan.flatten(params, what="params"))
-    delta, snapshot, digest = _sender_step(plan, self._snapshot, flat)
+    delta, old_values, ranks, snapshot, digest = sync_steps.sender_step(
+        plan, compact, self._snapshot, flat)
     self._snapshot = snapshot
-    delta = jax.device_get(delta)
+    delta, old_values, ranks = jax.device_get((delta, old_values, ranks))
     full = full or (self.anchor_every is not None and version % self.anchor_every == 0)
     segments = []
     for s, seg in enumerate(plan.segments):
@@ -206,16 +182,24 @@ class Sender:
         segments.append(wire.SegmentPayload(wire.DENSE, None,
                                             _segment_host_bits(plan, s, snapshot)))
         continue
-      indices, values = delta.indices[s], delta.values[s]
-      if seg.blocks > 1:  # ascending per block: merge the blocks
-        order = np.argsort(indices, kind="stable")
-        indices, values = indices[order], values[order]
       count = int(delta.counts[s])
-      segments.append(wire.SegmentPayload(wire.sparse_mode(seg.size, count),
-                                          indices[:count], values[:count]))
+      indices, values, old = delta.indices[s], delta.values[s], old_values[s]
+      if seg.blocks > 1:  # ascending per block, unused slots between blocks: merge the blocks
+        order = np.argsort(indices, kind="stable")
+        indices, values, old = indices[order], values[order], old[order]
+      indices, values, old = indices[:count], values[:count], old[:count]
+      if not compact:
+        segments.append(wire.SegmentPayload(wire.sparse_mode(seg.size, count), indices, values))
+        continue
+      codes = ulp.step_codes(old, values, seg.dtype, np)
+      if seg.ordered:  # rank order: by class, then position (a stable radix sort by class)
+        order = np.argsort(ulp.exponent_class(old, seg.dtype, np), kind="stable")
+        indices, codes = ranks[s][:count][order], codes[order]
+      segments.append(wire.SegmentPayload(wire.ORDERED if seg.ordered else wire.NATURAL,
+                                          indices, codes))
     new_digest = _digest_bytes(digest)
     payload = wire.Payload(wire.ANCHOR if full else wire.DELTA, self.version, version,
-                           self._digest, new_digest, tuple(segments))
+                           self._digest, new_digest, tuple(segments), self.wire_format)
     self.version, self._digest = version, new_digest
     self.last_stats = {
         "version": version, "changed": int(np.sum(delta.counts)),
@@ -245,8 +229,8 @@ class Receiver:
     self.version = _check_version(version)
     self._flat = commit_leaves(plan.flatten(params, what="params", rollout_only=True))
     self._layouts = receiver_layouts(plan, self._flat)
-    self._apply = _apply_donated if donate else _apply_copying
-    self._digest = _digest_bytes(_digest(self._flat, self._layouts))
+    self._donate = donate
+    self._digest = _digest_bytes(sync_steps.digest(self._flat, self._layouts))
 
   @property
   def params(self) -> PyTree:
@@ -293,12 +277,25 @@ class Receiver:
       if payload.base_digest != self._digest:
         raise IntegrityError(f"this receiver's params differ from the sender's version "
                              f"{self.version}: resync with an anchor (sender.send(p, full=True))")
+    for s, part in enumerate(payload.segments):
+      split = [plan.leaves[i].path for i in plan.segments[s].leaf_ids if self._layouts[i]]
+      if part.mode == wire.ORDERED and split:
+        raise PlanMismatchError(
+            f"this receiver splits leaf {split[0]} into blocks, but the plan codes its changes "
+            "in an order of the whole leaf: make the plan with rollout_shardings=<the rollout's "
+            "shardings> (or send with wire_format=1)")
     dense = {s: p.values for s, p in enumerate(payload.segments) if p.mode == wire.DENSE}
     flat = self._replace_dense(list(self._flat), dense)  # dense segments have no sparse entries
     if len(dense) == len(plan.segments):
-      digest = _digest(flat, self._layouts)
+      digest = sync_steps.digest(flat, self._layouts)
+    elif payload.format == wire.COMPACT:
+      keys, codes, counts = self._padded(payload)
+      flat, digest = sync_steps.apply_steps[self._donate](plan, self._layouts, flat, keys, codes,
+                                                          counts)
     else:
-      flat, digest = self._apply(plan, self._layouts, flat, self._padded_delta(payload))
+      keys, values, counts = self._padded(payload)
+      delta = Delta(keys, values, counts, np.zeros(counts.shape, bool))
+      flat, digest = sync_steps.apply_bits[self._donate](plan, self._layouts, flat, delta)
     self._flat = flat  # donated buffers are gone: commit whatever the check says
     if _digest_bytes(digest) != payload.new_digest:
       raise IntegrityError(f"version {payload.version} reconstructed with a digest that differs "
@@ -306,7 +303,9 @@ class Receiver:
     self.version, self._digest = payload.version, payload.new_digest
     return self.params
 
-  def _padded_delta(self, payload: wire.Payload) -> Delta:
+  def _padded(self, payload: wire.Payload) -> tuple[tuple, tuple, np.ndarray]:
+    """Per segment: keys (positions or ranks; the segment size where unused) and values padded
+    to the capacity, and the counts (0 for dense segments, which are written already)."""
     indices, values, counts = [], [], []
     for seg, part in zip(self.plan.segments, payload.segments):
       idx = np.full(seg.capacity, seg.size, np.int32)
@@ -317,8 +316,7 @@ class Receiver:
       indices.append(idx)
       values.append(val)
       counts.append(0 if part.mode == wire.DENSE else len(part.indices))
-    counts = np.array(counts, np.int32)
-    return Delta(tuple(indices), tuple(values), counts, np.zeros(counts.shape, bool))
+    return tuple(indices), tuple(values), np.array(counts, np.int32)
 
   def _replace_dense(self, flat: list, dense: dict[int, np.ndarray]) -> list:
     for s, seg_bits in dense.items():

@@ -1,9 +1,16 @@
-"""The byte format of a sync payload (format 1): header, one record per segment, checksum.
+"""The bytes of a sync payload: header, body, checksum.
+
+Two body formats share the header and the checksum. Format 2 (compact, the default of
+:class:`~jsparse.Sender`) codes changes as gaps of ranks in an order both sides derive from the
+old bits, and values as steps from the old bits, zstd-compressed: about 1 byte per change on an
+RL update; it is described in ``compact.py``. Format 1 (lists) is plain and needs no pass over
+the receiver's params: 4 bytes per change for 16-bit dtypes.
 
 Layout, little-endian::
 
   header   magic "JSPS" | format u8 | kind u8 | reserved u16 | plan fingerprint 16B
            | base version u64 | version u64 | base digest 8B | new digest 8B | segments u32
+  body     format 2: see ``compact.py``; format 1: one record per segment,
   segment  mode u8 | count u32 | positions | values
            mode EMPTY: nothing; LIST: per 65536-element chunk of the segment the number of its
            changes (u32), then each change's index within its chunk (u16), then ``count``
@@ -32,13 +39,15 @@ import zlib
 
 import numpy as np
 
+from jsparse._src import compact
 from jsparse._src.errors import PayloadError
 from jsparse._src.plan import Plan
 
 MAGIC = b"JSPS"
-FORMAT = 1
+LISTS, COMPACT = 1, 2  # body formats
 DELTA, ANCHOR = 0, 1
 EMPTY, LIST, BITMAP, DENSE = 0, 1, 2, 3
+ORDERED, NATURAL = compact.ORDERED, compact.NATURAL
 _HEADER = struct.Struct("<4sBBH16sQQ8s8sI")
 _RECORD = struct.Struct("<BI")
 _CRC = struct.Struct("<I")
@@ -48,7 +57,11 @@ _CHUNK_BITS = 16
 @dataclasses.dataclass(frozen=True)
 class SegmentPayload:
   """One segment's changes: ``indices`` (int32, ascending) and their ``values``, or, in DENSE
-  mode, ``values`` holding the whole segment and ``indices`` None."""
+  mode, ``values`` holding the whole segment and ``indices`` None.
+
+  Modes LIST and BITMAP (format 1): indices are positions, values new bit patterns. Modes
+  ORDERED and NATURAL (format 2): indices are ranks in the exponent-class order or positions,
+  values step codes against the old bits."""
 
   mode: int
   indices: np.ndarray | None
@@ -65,14 +78,24 @@ class Payload:
   base_digest: bytes
   new_digest: bytes
   segments: tuple[SegmentPayload, ...]
+  format: int = LISTS
 
 
 def encode(plan: Plan, payload: Payload) -> bytes:
   """Serializes ``payload`` (which must match ``plan``) to bytes."""
-  chunks = [_HEADER.pack(MAGIC, FORMAT, payload.kind, 0, plan.fingerprint, payload.base_version,
-                         payload.version, payload.base_digest, payload.new_digest,
-                         len(payload.segments))]
-  for seg, part in zip(plan.segments, payload.segments):
+  header = _HEADER.pack(MAGIC, payload.format, payload.kind, 0, plan.fingerprint,
+                        payload.base_version, payload.version, payload.base_digest,
+                        payload.new_digest, len(payload.segments))
+  if payload.format == COMPACT:
+    body = header + compact.encode_body(plan, payload.segments)
+  else:
+    body = header + _encode_lists(plan, payload.segments)
+  return body + _CRC.pack(zlib.crc32(body))
+
+
+def _encode_lists(plan: Plan, segments: tuple[SegmentPayload, ...]) -> bytes:
+  chunks = []
+  for seg, part in zip(plan.segments, segments):
     values = np.ascontiguousarray(part.values, seg.bit_dtype)
     if part.mode == DENSE:
       chunks += [_RECORD.pack(DENSE, seg.size), values.tobytes()]
@@ -88,8 +111,7 @@ def encode(plan: Plan, payload: Payload) -> bytes:
       mask[part.indices] = True
       chunks.append(np.packbits(mask, bitorder="little").tobytes())
     chunks.append(values.tobytes())
-  body = b"".join(chunks)
-  return body + _CRC.pack(zlib.crc32(body))
+  return b"".join(chunks)
 
 
 def sparse_mode(size: int, count: int) -> int:
@@ -142,25 +164,28 @@ def decode(plan: Plan, data: bytes) -> Payload:
   reader = _Reader(body)
   (_, fmt, kind, _, fingerprint, base_version, version, base_digest, new_digest,
    num_segments) = _HEADER.unpack(reader.take(_HEADER.size, "header"))
-  if fmt != FORMAT:
-    raise PayloadError(f"payload format {fmt} is not supported (this jsparse reads {FORMAT})")
+  if fmt not in (LISTS, COMPACT):
+    raise PayloadError(f"payload format {fmt} is not supported (this jsparse reads 1 and 2)")
   if kind not in (DELTA, ANCHOR):
     raise PayloadError(f"unknown payload kind {kind}")
   if fingerprint != plan.fingerprint:
     raise PayloadError("payload was made for another plan (fingerprint differs)")
   if num_segments != len(plan.segments):
     raise PayloadError(f"payload has {num_segments} segments, the plan {len(plan.segments)}")
-  segments = tuple(_decode_segment(reader, plan, s) for s in range(num_segments))
+  if fmt == COMPACT:
+    segments = compact.decode_body(plan, reader, SegmentPayload)
+  else:
+    segments = tuple(_decode_segment(reader, plan, s) for s in range(num_segments))
   if reader.remaining:
     raise PayloadError(f"{reader.remaining} unexpected bytes after the last segment")
   if kind == ANCHOR and any(s.mode != DENSE for s in segments):
     raise PayloadError("an anchor payload must carry every segment densely")
-  return Payload(kind, base_version, version, base_digest, new_digest, segments)
+  return Payload(kind, base_version, version, base_digest, new_digest, segments, fmt)
 
 
 def _decode_segment(reader: _Reader, plan: Plan, s: int) -> SegmentPayload:
   seg = plan.segments[s]
-  where = f"segment {s} (leaves {[plan.leaves[i].path for i in seg.leaf_ids][:3]})"
+  where = plan.describe_segment(s)
   mode, count = _RECORD.unpack(reader.take(_RECORD.size, f"{where} record"))
   if mode == DENSE:
     if count != seg.size:

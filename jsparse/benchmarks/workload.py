@@ -5,7 +5,7 @@ fp32 masters, optax AdamW at lr 1e-6, a bf16 rollout copy: the regime of RL post
 >>> from jsparse.examples import rl_model
 >>> cfg = rl_model.Config(vocab=64, dim=16, depth=1, batch=2, seq=8, pretrain_steps=1)
 >>> [len(jax.tree.leaves(s)) for s in realistic_run(cfg, steps=2)]
-[8, 8, 8]
+[11, 11, 11]
 """
 
 from __future__ import annotations

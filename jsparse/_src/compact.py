@@ -1,0 +1,182 @@
+"""The body of a compact (format 2) payload: changes as gap-coded keys and step codes, zstd'd.
+
+Each sparse segment names its changes by *keys* in ascending order: ranks in the exponent-class
+order (mode ORDERED, see ``ordering.py``) or flat positions (mode NATURAL), and gives each change
+as a *step code* against the old bits (see ``ulp.py``). The body is::
+
+  segment table   per segment: mode u8 | count u32 (changes; DENSE: the segment size)
+  gaps stream     every sparse segment's key gaps (first key, then key - previous key - 1),
+                  LEB128 varints
+  steps stream    one byte per change: its zigzagged step code, 255 meaning "escaped"
+  escapes stream  for each escaped change, zigzagged code - 255 as a varint
+  dense           the DENSE segments' bit patterns, little-endian, uncompressed
+
+Each stream is ``raw length u32 | packed length u32 | zstd frame`` (nothing when empty).
+Decoding checks every length against the plan before decompressing (so a hostile length cannot
+allocate or hang), then every count, key and code.
+
+>>> import numpy as np
+>>> varint_decode(varint_encode(np.array([0, 127, 128, 2**31 - 1])), 4, 'x', 2**31).tolist()
+[0, 127, 128, 2147483647]
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import numpy as np
+import zstandard
+
+from jsparse._src import ulp
+from jsparse._src.errors import PayloadError
+from jsparse._src.plan import Plan, Segment
+
+EMPTY, DENSE, ORDERED, NATURAL = 0, 3, 4, 5
+_RECORD = struct.Struct("<BI")
+_STREAM = struct.Struct("<II")
+_MAX_VARINT_BYTES = 5
+_ESCAPE = 255
+_ZSTD_LEVEL = 3
+
+
+def varint_encode(values: np.ndarray) -> bytes:
+  """LEB128 bytes of non-negative integers below 2**35."""
+  values = np.asarray(values, np.int64)
+  lengths = np.ones(values.shape, np.int64)
+  for k in range(1, _MAX_VARINT_BYTES):
+    lengths += values >= (1 << (7 * k))
+  out = np.empty(int(lengths.sum()), np.uint8)
+  starts = np.cumsum(lengths) - lengths
+  for k in range(_MAX_VARINT_BYTES):
+    has = lengths > k
+    more = (lengths[has] > k + 1).astype(np.int64) << 7
+    out[starts[has] + k] = ((values[has] >> (7 * k)) & 0x7F) | more
+  return out.tobytes()
+
+
+def varint_decode(data: bytes, count: int, what: str, limit: int) -> np.ndarray:
+  """Exactly ``count`` varints filling ``data``, each below ``limit`` (int64).
+
+  Raises:
+    PayloadError: a different number of varints, one longer than 5 bytes, or one at or above
+      ``limit``.
+  """
+  raw = np.frombuffer(data, np.uint8)
+  ends = np.flatnonzero(raw < 0x80)
+  if len(ends) != count or (count and ends[-1] != len(raw) - 1) or (not count and len(raw)):
+    raise PayloadError(f"{what}: expected {count} varints in {len(raw)} bytes")
+  starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64) if count else ends
+  lengths = ends - starts + 1
+  if count and lengths.max() > _MAX_VARINT_BYTES:
+    raise PayloadError(f"{what}: a varint longer than {_MAX_VARINT_BYTES} bytes")
+  values = np.zeros(count, np.int64)
+  for k in range(_MAX_VARINT_BYTES):
+    has = lengths > k
+    values[has] |= (raw[starts[has] + k].astype(np.int64) & 0x7F) << (7 * k)
+  if count and values.max() >= limit:
+    raise PayloadError(f"{what}: a value of {values.max()} is not below {limit}")
+  return values
+
+
+def _pack_stream(raw: bytes) -> bytes:
+  packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(raw) if raw else b""
+  return _STREAM.pack(len(raw), len(packed)) + packed
+
+
+def encode_body(plan: Plan, segments: Sequence) -> bytes:
+  """The body bytes of ``segments`` (``wire.SegmentPayload`` in modes of this format)."""
+  table, gaps, steps, dense = [], [], [], []
+  for seg, part in zip(plan.segments, segments):
+    if part.mode == DENSE:
+      table.append(_RECORD.pack(DENSE, seg.size))
+      dense.append(np.ascontiguousarray(part.values, seg.bit_dtype.newbyteorder("<")).tobytes())
+      continue
+    keys = np.asarray(part.indices, np.int64)
+    table.append(_RECORD.pack(part.mode if len(keys) else EMPTY, len(keys)))
+    if len(keys):
+      gaps.append(np.diff(keys, prepend=-1) - 1)
+      steps.append(ulp.zigzag(np.asarray(part.values, seg.bit_dtype)).astype(np.int64))
+  gaps_all = np.concatenate(gaps) if gaps else np.zeros(0, np.int64)
+  zigzags = np.concatenate(steps) if steps else np.zeros(0, np.int64)
+  escaped = zigzags >= _ESCAPE
+  return b"".join(table + [
+      _pack_stream(varint_encode(gaps_all)),
+      _pack_stream(np.minimum(zigzags, _ESCAPE).astype(np.uint8).tobytes()),
+      _pack_stream(varint_encode(zigzags[escaped] - _ESCAPE))] + dense)
+
+
+def _unpack_stream(reader, what: str, max_raw: int) -> bytes:
+  raw_len, packed_len = _STREAM.unpack(reader.take(_STREAM.size, f"{what} lengths"))
+  if raw_len > max_raw:
+    raise PayloadError(f"{what}: {raw_len} bytes announced, at most {max_raw} possible")
+  packed = reader.take(packed_len, what)
+  if not raw_len:
+    if packed_len:
+      raise PayloadError(f"{what}: {packed_len} packed bytes for an empty stream")
+    return b""
+  try:
+    raw = zstandard.ZstdDecompressor().decompress(packed, max_output_size=raw_len)
+  except zstandard.ZstdError as e:
+    raise PayloadError(f"{what}: zstd cannot decode it ({e})") from e
+  if len(raw) != raw_len:
+    raise PayloadError(f"{what}: {len(raw)} bytes decoded, {raw_len} announced")
+  return raw
+
+
+def decode_body(plan: Plan, reader, segment_payload: type) -> tuple:
+  """Parses a body into ``segment_payload`` records, checking everything against ``plan``."""
+  records = []
+  for s, seg in enumerate(plan.segments):
+    where = plan.describe_segment(s)
+    mode, count = _RECORD.unpack(reader.take(_RECORD.size, f"{where} record"))
+    if mode == DENSE and count != seg.size:
+      raise PayloadError(f"{where}: dense record of {count} elements, the plan has {seg.size}")
+    if mode == EMPTY and count:
+      raise PayloadError(f"{where}: empty record with count {count}")
+    if mode in (ORDERED, NATURAL) and not 0 < count <= seg.capacity:
+      raise PayloadError(f"{where}: {count} changes, the capacity is {seg.capacity}")
+    if mode == ORDERED and not seg.ordered:
+      raise PayloadError(f"{where}: ranks in exponent order for a segment without that order")
+    if mode not in (EMPTY, DENSE, ORDERED, NATURAL):
+      raise PayloadError(f"{where}: unknown mode {mode}")
+    records.append((mode, count))
+  total = sum(count for mode, count in records if mode in (ORDERED, NATURAL))
+  gaps = varint_decode(_unpack_stream(reader, "gaps stream", _MAX_VARINT_BYTES * total),
+                       total, "gaps stream", 2**31)
+  step_bytes = np.frombuffer(_unpack_stream(reader, "steps stream", total), np.uint8)
+  if len(step_bytes) != total:
+    raise PayloadError(f"steps stream: {len(step_bytes)} codes for {total} changes")
+  escaped = step_bytes == _ESCAPE
+  num_escaped = int(escaped.sum())
+  escapes = varint_decode(
+      _unpack_stream(reader, "escapes stream", _MAX_VARINT_BYTES * num_escaped), num_escaped,
+      "escapes stream", 2**32)
+  zigzags = step_bytes.astype(np.int64)
+  zigzags[escaped] += escapes
+  segments, at = [], 0
+  for s, (seg, (mode, count)) in enumerate(zip(plan.segments, records)):
+    if mode == DENSE:
+      dense = np.frombuffer(reader.take(count * seg.bit_dtype.itemsize, plan.describe_segment(s)),
+                            seg.bit_dtype.newbyteorder("<"))
+      segments.append(segment_payload(DENSE, None, dense.astype(seg.bit_dtype)))
+      continue
+    if mode == EMPTY:
+      segments.append(segment_payload(EMPTY, np.zeros(0, np.int32), np.zeros(0, seg.bit_dtype)))
+      continue
+    keys = np.cumsum(gaps[at:at + count] + 1) - 1
+    codes = zigzags[at:at + count]
+    at += count
+    _check_sparse(plan, s, seg, mode, keys, codes)
+    segments.append(segment_payload(mode, keys.astype(np.int32),
+                                    ulp.unzigzag(codes.astype(seg.bit_dtype))))
+  return tuple(segments)
+
+
+def _check_sparse(plan: Plan, s: int, seg: Segment, mode: int, keys: np.ndarray,
+                  codes: np.ndarray) -> None:
+  if keys[-1] >= seg.size:
+    kind = "rank" if mode == ORDERED else "position"
+    raise PayloadError(f"{plan.describe_segment(s)}: {kind} {keys[-1]} out of range (size {seg.size})")
+  if codes.max() > np.iinfo(seg.bit_dtype).max:
+    raise PayloadError(f"{plan.describe_segment(s)}: a step code wider than {seg.bit_dtype}")
