@@ -86,6 +86,34 @@ def _check_digest(actual: bytes, saved: bytes, version: int) -> None:
                          "the digest saved with them (corrupted or from another run)")
 
 
+def host_segments(plan: Plan, wire_format: int, delta: Delta, old_values: tuple, ranks: tuple, *,
+                  dense: Any, full: bool = False) -> tuple[wire.SegmentPayload, ...]:
+  """The payload records of a (host) delta: overflowed segments, and all when ``full``, carry
+  ``dense(s)``; the others their changes, coded for ``wire_format``."""
+  compact = wire_format == wire.COMPACT
+  segments = []
+  for s, seg in enumerate(plan.segments):
+    if full or delta.overflow[s]:
+      segments.append(wire.SegmentPayload(wire.DENSE, None, dense(s)))
+      continue
+    count = int(delta.counts[s])
+    indices, values, old = delta.indices[s], delta.values[s], old_values[s]
+    if seg.blocks > 1:  # ascending per block, unused slots between blocks: merge the blocks
+      order = np.argsort(indices, kind="stable")
+      indices, values, old = indices[order], values[order], old[order]
+    indices, values, old = indices[:count], values[:count], old[:count]
+    if not compact:
+      segments.append(wire.SegmentPayload(wire.sparse_mode(seg.size, count), indices, values))
+      continue
+    codes = ulp.step_codes(old, values, seg.dtype, np)
+    if seg.ordered:  # rank order: by class, then position (a stable radix sort by class)
+      order = np.argsort(ulp.exponent_class(old, seg.dtype, np), kind="stable")
+      indices, codes = ranks[s][:count][order], codes[order]
+    segments.append(wire.SegmentPayload(wire.ORDERED if seg.ordered else wire.NATURAL,
+                                        indices, codes))
+  return tuple(segments)
+
+
 def _digest_bytes(digest: jax.Array) -> bytes:
   return np.asarray(digest, np.uint32).astype("<u4").tobytes()
 
@@ -176,27 +204,8 @@ class Sender:
     self._snapshot = snapshot
     delta, old_values, ranks = jax.device_get((delta, old_values, ranks))
     full = full or (self.anchor_every is not None and version % self.anchor_every == 0)
-    segments = []
-    for s, seg in enumerate(plan.segments):
-      if full or delta.overflow[s]:
-        segments.append(wire.SegmentPayload(wire.DENSE, None,
-                                            _segment_host_bits(plan, s, snapshot)))
-        continue
-      count = int(delta.counts[s])
-      indices, values, old = delta.indices[s], delta.values[s], old_values[s]
-      if seg.blocks > 1:  # ascending per block, unused slots between blocks: merge the blocks
-        order = np.argsort(indices, kind="stable")
-        indices, values, old = indices[order], values[order], old[order]
-      indices, values, old = indices[:count], values[:count], old[:count]
-      if not compact:
-        segments.append(wire.SegmentPayload(wire.sparse_mode(seg.size, count), indices, values))
-        continue
-      codes = ulp.step_codes(old, values, seg.dtype, np)
-      if seg.ordered:  # rank order: by class, then position (a stable radix sort by class)
-        order = np.argsort(ulp.exponent_class(old, seg.dtype, np), kind="stable")
-        indices, codes = ranks[s][:count][order], codes[order]
-      segments.append(wire.SegmentPayload(wire.ORDERED if seg.ordered else wire.NATURAL,
-                                          indices, codes))
+    segments = host_segments(plan, self.wire_format, delta, old_values, ranks,
+                             dense=lambda s: _segment_host_bits(plan, s, snapshot), full=full)
     new_digest = _digest_bytes(digest)
     payload = wire.Payload(wire.ANCHOR if full else wire.DELTA, self.version, version,
                            self._digest, new_digest, tuple(segments), self.wire_format)

@@ -1,137 +1,304 @@
-"""Benchmark of the core on a realistic update (>= 20M parameters), side by side in one run.
+"""Sync benchmark: jsparse against what a user would pick instead, on one realistic update.
 
-A TinyLM of ~21M parameters is pretrained briefly, then one AdamW step at lr 1e-6 runs on its
-fp32 masters; the update is the bf16 rollout copy before vs after. Printed: density; payload
-bytes of dense bf16, the published SparseRL-Sync raw format (int32 index + bf16 value per change)
-and jsparse's wire format; times of the jitted diff against a jitted bitcast-compare-and-count (the
-streaming floor) and a ``jnp.nonzero`` diff, of the donated apply against a jitted dense copy; and
-compiled temporary memory of each, relative to the parameter bytes.
+Every method moves the trainer's update to a bf16 rollout copy, from device arrays on one side
+to updated device arrays on the other:
 
-Run ``python -m jsparse.bench --help`` for options.
+- dense bf16: cast, copy to the host, send every byte, copy back.
+- int32 index + bf16 value: the published SparseRL-Sync raw format, built as its proof of
+  concept does (compare, ``nonzero``, gather), applied with a scatter.
+- XOR + zstd: XOR of old and new bits over every array, zstd-compressed, XORed back in.
+- jsparse format 1 (lists) and format 2 (compact): :class:`jsparse.Sender` and
+  :class:`jsparse.Receiver`, including their version, digest and checksum checks.
+
+*encode* is device arrays to bytes on the trainer, *apply* bytes to updated device arrays on the
+rollout (each the best of ``repeats``). End-to-end time at a link bandwidth is encode + bytes /
+bandwidth + apply.
+
+>>> import jax.numpy as jnp, jsparse
+>>> states = [{'w': jnp.linspace(-1, 1, 4096)}, {'w': jnp.linspace(-1, 1, 4096).at[::64].add(1)}]
+>>> plan = jsparse.make_plan(states[0], rollout_dtype=jnp.bfloat16)
+>>> rows = compare_methods(plan, states[0], states[1], repeats=1)
+>>> sorted(rows) == sorted(METHODS) and rows['dense bf16']['bytes'] == 8192
+True
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+import zstandard
 
 import jsparse
 from jsparse._src import bits as bits_lib
+from jsparse._src import sync, sync_steps, wire
 from jsparse._src.delta import _apply_donating, receiver_layouts
-from jsparse.examples import rl_model
+
+LINKS_GBIT = (1, 10, 100)
+METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + zstd",
+           "jsparse format 1 (lists)", "jsparse format 2 (compact)")
 
 
-def _best_time(fn: Callable, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
+def _best(fn: Callable, setup: Callable[[], tuple] = tuple, repeats: int = 5) -> float:
+  """Best wall time of ``fn(*setup())`` (setup not timed; a warm-up call first)."""
+  jax.block_until_ready(fn(*setup()))
   best = float("inf")
   for _ in range(repeats):
+    args = setup()
+    jax.block_until_ready(args)
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     best = min(best, time.perf_counter() - start)
   return best
 
 
-def _temp_bytes(jitted: Callable, *args) -> int:
+def _temp(jitted: Callable, *args) -> int:
   return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def _compare_and_count(plan, base, new):
+def _copy(tree: Any) -> Any:
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _leaf_bits(plan: jsparse.Plan, tree: Any) -> list[jax.Array]:
+  return [bits_lib.to_bits(x.astype(l.rollout_dtype))
+          for x, l in zip(jax.tree.leaves(tree), plan.leaves)]
+
+
+def _dense(plan, before, after, repeats):
+  cast = jax.jit(plan.cast)
+
+  def encode(params):
+    return b"".join(np.ascontiguousarray(x).tobytes()
+                    for x in jax.device_get(jax.tree.leaves(cast(params))))
+
+  def apply(data):
+    out, at = [], 0
+    for leaf in plan.leaves:
+      n = leaf.size * leaf.rollout_dtype.itemsize
+      out.append(jax.device_put(np.frombuffer(data, leaf.rollout_dtype, leaf.size, at)
+                                .reshape(leaf.shape)))
+      at += n
+    return out
+
+  data = encode(after)
+  return {"bytes": len(data), "encode": _best(encode, lambda: (after,), repeats),
+          "apply": _best(apply, lambda: (data,), repeats), "temp": _temp(cast, after)}
+
+
+def _raw_int32(plan, before, after, repeats):
+  capacities = [max(1, int(0.05 * l.size)) for l in plan.leaves]
+
+  @jax.jit
+  def diff(base, new):
+    out = []
+    for b, n, leaf, k in zip(_leaf_bits(plan, base), _leaf_bits(plan, new), plan.leaves,
+                             capacities):
+      mask = b.reshape(-1) != n.reshape(-1)
+      (idx,) = jnp.nonzero(mask, size=k, fill_value=leaf.size)
+      out.append((idx, n.reshape(-1)[jnp.minimum(idx, leaf.size - 1)], jnp.sum(mask)))
+    return out
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def scatter(rollout, entries):
+    return [bits_lib.scatter_bits(x.reshape(-1), i, v).reshape(x.shape)
+            for x, (i, v) in zip(rollout, entries)]
+
+  def encode(snapshot, params):
+    parts = []
+    for idx, vals, count in jax.device_get(diff(snapshot, params)):
+      count = min(int(count), len(idx))  # (the PoC has no overflow fallback)
+      parts += [np.int32(count).tobytes(), idx[:count].astype("<i4").tobytes(),
+                vals[:count].tobytes()]
+    return b"".join(parts)
+
+  def apply(rollout, data):
+    entries, at = [], 0
+    for leaf, k in zip(plan.leaves, capacities):
+      count = int(np.frombuffer(data, "<i4", 1, at)[0])
+      width = bits_lib.bit_dtype(leaf.rollout_dtype)
+      idx = np.full(k, leaf.size, np.int32)
+      vals = np.zeros(k, width)
+      idx[:count] = np.frombuffer(data, "<i4", count, at + 4)
+      vals[:count] = np.frombuffer(data, width, count, at + 4 + 4 * count)
+      entries.append((idx, vals))
+      at += 4 + count * (4 + width.itemsize)
+    return scatter(rollout, entries)
+
+  snapshot = plan.cast(before)
+  data = encode(snapshot, after)
+  rollout = lambda: (jax.tree.leaves(_copy(snapshot)), data)
+  entries = [(np.zeros(k, np.int32), np.zeros(k, bits_lib.bit_dtype(l.rollout_dtype)))
+             for l, k in zip(plan.leaves, capacities)]
+  return {"bytes": len(data), "encode": _best(encode, lambda: (snapshot, after), repeats),
+          "apply": _best(apply, rollout, repeats),
+          "temp": _temp(diff, snapshot, after) + _temp(scatter, rollout()[0], entries)}
+
+
+def _xor_zstd(plan, before, after, repeats):
+  xor = jax.jit(lambda base, new: [b ^ n for b, n in zip(_leaf_bits(plan, base),
+                                                         _leaf_bits(plan, new))])
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def merge(rollout, xors):
+    return [bits_lib.from_bits(bits_lib.to_bits(r) ^ x, r.dtype) for r, x in zip(rollout, xors)]
+
+  def encode(snapshot, params):
+    raw = b"".join(np.ascontiguousarray(x).tobytes() for x in jax.device_get(xor(snapshot,
+                                                                                params)))
+    return zstandard.ZstdCompressor(level=3).compress(raw)
+
+  def apply(rollout, data):
+    raw, xors, at = zstandard.ZstdDecompressor().decompress(data), [], 0
+    for leaf in plan.leaves:
+      width = bits_lib.bit_dtype(leaf.rollout_dtype)
+      xors.append(jax.device_put(np.frombuffer(raw, width, leaf.size, at).reshape(leaf.shape)))
+      at += leaf.size * width.itemsize
+    return merge(rollout, xors)
+
+  snapshot = plan.cast(before)
+  data = encode(snapshot, after)
+  rollout = lambda: (jax.tree.leaves(_copy(snapshot)), data)
+  return {"bytes": len(data), "encode": _best(encode, lambda: (snapshot, after), repeats),
+          "apply": _best(apply, rollout, repeats),
+          "temp": _temp(xor, snapshot, after) + _temp(merge, rollout()[0], xor(snapshot, after))}
+
+
+def _jsparse(plan, before, after, repeats, wire_format):
+  snapshot = plan.cast(before)
+  fresh_sender = lambda: (jsparse.Sender(plan, before, wire_format=wire_format),)
+  fresh_receiver = lambda: (jsparse.Receiver(plan, _copy(snapshot)),)
+  data = fresh_sender()[0].send(after)
+  row = {"bytes": len(data),
+         "encode": _best(lambda s: s.send(after), fresh_sender, repeats),
+         "apply": _best(lambda r: r.receive(data), fresh_receiver, repeats)}
+  # Parts: the jitted diff step, host encoding, host decoding, the jitted apply.
+  compact = wire_format == wire.COMPACT
+  flat = jax.tree.leaves(after)
+  step = functools.partial(sync_steps.sender_step, plan, compact)
+  fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
+  row["diff"] = _best(step, fresh_snapshot, repeats)
+  delta, old, ranks, _, _ = jax.device_get(step(*fresh_snapshot()))
+  dense = lambda s: sync._segment_host_bits(plan, s, jax.tree.leaves(snapshot))
+
+  def encode_host():
+    segments = sync.host_segments(plan, wire_format, delta, old, ranks, dense=dense)
+    return wire.encode(plan, wire.Payload(wire.DELTA, 0, 1, bytes(8), bytes(8), segments,
+                                          wire_format))
+
+  row["host_encode"] = _best(encode_host, repeats=repeats)
+  receiver = fresh_receiver()[0]
+  row["host_decode"] = _best(lambda: receiver._padded(wire.decode(plan, data)), repeats=repeats)
+  keys, values, counts = receiver._padded(wire.decode(plan, data))
+  layouts = receiver_layouts(plan, jax.tree.leaves(snapshot))
+  if compact:
+    jitted, args = sync_steps.apply_steps[True], (keys, values, counts)
+  else:
+    jitted = sync_steps.apply_bits[True]
+    args = (jsparse.Delta(keys, values, counts, np.zeros(counts.shape, bool)),)
+  row["device_apply"] = _best(lambda f: jitted(plan, layouts, f, *args),
+                              lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
+  row["temp"] = (_temp(sync_steps.sender_step, plan, compact, *fresh_snapshot())
+                 + _temp(jitted, plan, layouts, jax.tree.leaves(snapshot), *args))
+  return row
+
+
+def compare_methods(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 5) -> dict:
+  """Per method: ``bytes``, ``encode`` and ``apply`` seconds, compiled ``temp`` bytes."""
+  return {
+      METHODS[0]: _dense(plan, before, after, repeats),
+      METHODS[1]: _raw_int32(plan, before, after, repeats),
+      METHODS[2]: _xor_zstd(plan, before, after, repeats),
+      METHODS[3]: _jsparse(plan, before, after, repeats, wire.LISTS),
+      METHODS[4]: _jsparse(plan, before, after, repeats, wire.COMPACT),
+  }
+
+
+def per_step_sizes(plan: jsparse.Plan, states: list) -> list[dict]:
+  """Density and compact payload size of every step of a run, synced step by step."""
+  sender = jsparse.Sender(plan, states[0])
+  rows = []
+  for params in states[1:]:
+    size = len(sender.send(params))
+    changed = sender.last_stats["changed"]
+    rows.append({"density": changed / plan.num_elements, "changed": changed, "bytes": size})
+  return rows
+
+
+def print_report(plan: jsparse.Plan, steps: list[dict], rows: dict, step: int) -> None:
+  changed = steps[step - 1]["changed"]
+  dense = plan.rollout_bytes
+  print("per step (jsparse format 2):  " + "  ".join(
+      f"{i + 1}: {r['density']:.2%} {r['bytes'] / r['changed']:.2f} B/chg"
+      for i, r in enumerate(steps)))
+  print(f"\nstep {step}: {changed:,} of {plan.num_elements:,} bf16 elements changed "
+        f"({changed / plan.num_elements:.3%}); dense = {dense:,} B\n")
+  links = "".join(f"{f'{g}G e2e ms':>12}" for g in LINKS_GBIT)
+  print(f"{'method':<46}{'bytes':>11}{'B/chg':>7}{'vs dense':>9}{'enc ms':>8}{'apply ms':>9}"
+        f"{'temp MB':>8}{links}")
+  for name, r in rows.items():
+    e2e = [r["encode"] + r["bytes"] * 8 / (g * 1e9) + r["apply"] for g in LINKS_GBIT]
+    r["e2e"] = dict(zip(LINKS_GBIT, e2e))
+    print(f"{name:<46}{r['bytes']:>11,}{r['bytes'] / changed:>7.2f}{dense / r['bytes']:>8.1f}x"
+          f"{1e3 * r['encode']:>8.1f}{1e3 * r['apply']:>9.1f}{r['temp'] / 2**20:>8.1f}"
+          + "".join(f"{1e3 * t:>12.1f}" for t in e2e))
+  base = rows[METHODS[0]]["e2e"]
+  print(f"\nend-to-end speedup over dense bf16 at {', '.join(f'{g}' for g in LINKS_GBIT)} "
+        "Gbit/s:")
+  for name, r in rows.items():
+    print(f"  {name:<44}" + "  ".join(f"{base[g] / r['e2e'][g]:>6.1f}x" for g in LINKS_GBIT))
+  print("\njsparse parts (ms): jitted diff step | host encode | host decode | jitted apply")
+  for name in METHODS[3:]:
+    r = rows[name]
+    print(f"  {name:<44}{1e3 * r['diff']:>7.1f} |{1e3 * r['host_encode']:>7.1f} |"
+          f"{1e3 * r['host_decode']:>7.1f} |{1e3 * r['device_apply']:>7.1f}")
+
+
+def _floor(plan, base, new):
   """The streaming floor: cast, bitcast, compare and count every leaf, nothing else."""
   total = jnp.int32(0)
-  for b, n, leaf in zip(jax.tree.leaves(base), jax.tree.leaves(new), plan.leaves):
-    nb = bits_lib.to_bits(n.astype(leaf.rollout_dtype))
-    total += jnp.sum(bits_lib.to_bits(b.astype(leaf.rollout_dtype)) != nb, dtype=jnp.int32)
+  for b, n in zip(_leaf_bits(plan, base), _leaf_bits(plan, new)):
+    total += jnp.sum(b != n, dtype=jnp.int32)
   return total
 
 
-def _nonzero_diff(plan, base, new):
-  """The straightforward alternative: ``jnp.nonzero(mask, size=K)`` per leaf, then gather."""
-  out = []
-  for b, n, leaf in zip(jax.tree.leaves(base), jax.tree.leaves(new), plan.leaves):
-    nb = bits_lib.to_bits(n.astype(leaf.rollout_dtype)).reshape(-1)
-    mask = bits_lib.to_bits(b.astype(leaf.rollout_dtype)).reshape(-1) != nb
-    (idx,) = jnp.nonzero(mask, size=max(1, int(0.05 * leaf.size)), fill_value=leaf.size)
-    out.append((idx, nb[jnp.minimum(idx, leaf.size - 1)]))
-  return out
-
-
-def _dense_copy(plan, base, new):
-  return jax.tree.map(lambda n, leaf: n.astype(leaf.rollout_dtype) + 0, new,
-                      jax.tree.unflatten(plan.treedef, plan.leaves))
-
-
-def realistic_update(cfg: rl_model.Config):
-  """(params before, params after) one AdamW lr-1e-6 step of a briefly pretrained TinyLM."""
-  model, optimizer, batches = rl_model.rl_finetuning(cfg)
-  before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-  rl_model.train_step(model, optimizer, next(batches))
-  return before, nnx.state(model, nnx.Param)
-
-
-def run(argv: Sequence[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(prog="python -m jsparse.bench", description=__doc__.split("\n")[0])
-  parser.add_argument("--dim", type=int, default=512)
-  parser.add_argument("--depth", type=int, default=6)
-  parser.add_argument("--vocab", type=int, default=8192)
-  parser.add_argument("--repeats", type=int, default=5)
-  args = parser.parse_args(argv)
-  cfg = rl_model.Config(vocab=args.vocab, dim=args.dim, depth=args.depth, batch=8, seq=32,
-                        pretrain_steps=10)
-  before, after = realistic_update(cfg)
-  plan = jsparse.make_plan(before, rollout_dtype=jnp.bfloat16, capacity=0.05)
-  param_bytes = sum(x.nbytes for x in jax.tree.leaves(after))
+def core_budgets(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 5) -> dict:
+  """The design budgets of the pure core: diff against the compare-and-count floor, donated
+  apply against a dense copy, and their compiled temporary memory."""
   snapshot = plan.cast(before)
-
-  sender = jsparse.Sender(plan, before)
-  payload = sender.send(after)
-  changed = sender.last_stats["changed"]
-  rows = {"dense bf16": plan.rollout_bytes, "int32 index + bf16 value (SparseRL-Sync raw)":
-          changed * 6, "jsparse wire format": len(payload)}
-  print(f"{plan.num_elements:,} parameters ({param_bytes:,} B fp32), {len(plan.leaves)} leaves, "
-        f"{len(plan.segments)} segments; one AdamW lr {cfg.rl_lr:g} step changed {changed:,} bf16 "
-        f"elements = {changed / plan.num_elements:.3%}\n")
-  print(f"{'payload':<46}{'bytes':>12}{'B/change':>10}{'vs dense':>10}")
-  for name, size in rows.items():
-    print(f"{name:<46}{size:>12,}{size / changed:>10.2f}{plan.rollout_bytes / size:>9.1f}x")
-
-  floor = jax.jit(_compare_and_count, static_argnums=0)
-  nonzero = jax.jit(_nonzero_diff, static_argnums=0)
-  dense = jax.jit(_dense_copy, static_argnums=0)
-  apply_inplace = functools.partial(jsparse.apply, donate=True)
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(after))
+  floor = jax.jit(_floor, static_argnums=0)
+  dense_copy = jax.jit(lambda p: jax.tree.map(lambda x: x + 0, plan.cast(p)))
   delta = jsparse.diff(plan, snapshot, after)
-  timed = {
-      "compare-and-count (floor)": (floor, (plan, snapshot, after)),
-      "jsparse.diff": (jsparse.diff, (plan, snapshot, after)),
-      "jnp.nonzero diff": (nonzero, (plan, snapshot, after)),
-      "dense bf16 copy": (dense, (plan, snapshot, after)),
+  layouts = receiver_layouts(plan, jax.tree.leaves(snapshot))
+  apply = functools.partial(jsparse.apply, plan, donate=True)
+  rows = {
+      "compare-and-count (floor)": (_best(floor, lambda: (plan, snapshot, after), repeats),
+                                    _temp(floor, plan, snapshot, after)),
+      "jsparse.diff": (_best(jsparse.diff, lambda: (plan, snapshot, after), repeats),
+                       _temp(jsparse.diff, plan, snapshot, after)),
+      "dense bf16 copy": (_best(dense_copy, lambda: (after,), repeats),
+                          _temp(dense_copy, after)),
+      "jsparse.apply (donated)": (_best(apply, lambda: (_copy(snapshot), delta), repeats),
+                                  _temp(_apply_donating, plan, layouts, snapshot, delta)),
   }
-  results = {}
-  print(f"\n{'jitted step':<30}{'best ms':>10}{'vs floor':>10}{'temp MB':>10}{'temp/params':>13}")
-  for name, (fn, fn_args) in timed.items():
-    seconds = _best_time(fn, *fn_args, repeats=args.repeats)
-    temp = _temp_bytes(fn, *fn_args)
-    results[name] = (seconds, temp)
-    print(f"{name:<30}{1e3 * seconds:>10.1f}{seconds / results[next(iter(timed))][0]:>9.2f}x"
-          f"{temp / 2**20:>10.1f}{temp / param_bytes:>13.3f}")
-  rollout = [plan.cast(before)]
-  def apply_fresh():  # the donated buffer is dead after each call: feed back the result
-    rollout[0] = apply_inplace(plan, rollout[0], delta)
-    return rollout[0]
-  seconds = _best_time(apply_fresh, repeats=args.repeats)
-  layouts = receiver_layouts(plan, jax.tree.leaves(rollout[0]))
-  temp = _temp_bytes(_apply_donating, plan, layouts, rollout[0], delta)
-  dense_seconds = results["dense bf16 copy"][0]
-  print(f"{'jsparse.apply (donated)':<30}{1e3 * seconds:>10.1f}{'':>10}{temp / 2**20:>10.1f}"
-        f"{temp / param_bytes:>13.3f}   ({seconds / dense_seconds:.2f}x the dense copy)")
-  return {"changed": changed, "elements": plan.num_elements, "payload": rows}
+  print(f"\n{'pure core, jitted':<30}{'ms':>8}{'temp / fp32 params':>20}")
+  for name, (seconds, temp) in rows.items():
+    print(f"{name:<30}{1e3 * seconds:>8.1f}{temp / param_bytes:>20.3f}")
+  floor_s, dense_s = rows["compare-and-count (floor)"][0], rows["dense bf16 copy"][0]
+  print(f"diff = {rows['jsparse.diff'][0] / floor_s:.2f}x the floor; donated apply = "
+        f"{rows['jsparse.apply (donated)'][0] / dense_s:.2f}x a dense copy")
+  return rows
 
 
-if __name__ == "__main__":
-  run()
+def run(plan: jsparse.Plan, states: list, repeats: int = 5) -> dict:
+  steps = per_step_sizes(plan, states)
+  step = min(range(1, len(states)), key=lambda i: abs(steps[i - 1]["density"] - 0.01))
+  rows = compare_methods(plan, states[step - 1], states[step], repeats)
+  print_report(plan, steps, rows, step)
+  core = core_budgets(plan, states[step - 1], states[step], repeats)
+  return {"steps": steps, "step": step, "methods": rows, "core": core}
