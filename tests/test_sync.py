@@ -149,12 +149,16 @@ def test_no_recompilation_across_sends_and_receives(wire_format):
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, bucket_size=1000)
   sender = jsparse.Sender(plan, params, wire_format=wire_format)
   receiver = jsparse.Receiver(plan, plan.cast(params))
-  jitted = (sync_steps.sender_step, sync_steps.apply_bits[True], sync_steps.apply_steps[True],
+  jitted = (sync_steps.sender_step, sync_steps.ranks, sync_steps.positions,
+            sync_steps.apply_bits[True], sync_steps.apply_steps[True],
             sync_steps.digest)
-  receiver.receive(sender.send(params))
-  receiver.receive(sender.send(jax.tree.map(lambda x: x * (1 + 1e-3), params)))
-  sizes = [f._cache_size() for f in jitted]
-  for step in range(5):
+  def step(params):
     params = jax.tree.map(lambda x: x * (1 + 1e-3), params)
     receiver.receive(sender.send(params))
+    return params
+
+  params = step(step(params))
+  sizes = [f._cache_size() for f in jitted]
+  for _ in range(5):
+    params = step(params)
   assert [f._cache_size() for f in jitted] == sizes

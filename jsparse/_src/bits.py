@@ -78,6 +78,14 @@ def _scatters_natively(dtype: np.dtype) -> bool:
   return not (jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 1)
 
 
+def gather_bits(flat: jax.Array, positions: jax.Array) -> jax.Array:
+  """The bit patterns of ``flat[positions]`` (positions in range). Gathers in the leaf's own
+  dtype where that is exact (no full-size bitcast copy), in bits for float8."""
+  if _scatters_natively(flat.dtype):
+    return to_bits(flat[positions])
+  return to_bits(flat)[positions]
+
+
 def scatter_bits(flat: jax.Array, positions: jax.Array, values: jax.Array) -> jax.Array:
   """``flat`` with the bit patterns ``values`` written at ``positions`` (out of range: skipped)."""
   if _scatters_natively(flat.dtype):

@@ -168,8 +168,7 @@ def _apply_leaf(leaf: LeafSpec, layout: Layout | None, base: jax.Array, idx: jax
     return apply_blocks(layout, leaf.shape, base, idx, vals, decode)
   flat = jnp.asarray(base).reshape(-1)
   if decode is not None:
-    vals = decode(bits_lib.gather_rollout_bits(flat, jnp.minimum(idx, leaf.size - 1), flat.dtype),
-                  vals)
+    vals = decode(bits_lib.gather_bits(flat, jnp.minimum(idx, leaf.size - 1)), vals)
   return bits_lib.scatter_bits(flat, idx, vals).reshape(leaf.shape)
 
 

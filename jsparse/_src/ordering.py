@@ -43,8 +43,9 @@ class ClassTables(NamedTuple):
   """What ranks and positions are computed from.
 
   Attributes:
-    planes: ``uint32[5, num_superblocks, 8]``: bit ``k`` of each element's class for k < 4, then
-      whether the element exists (the segment is padded to whole superblocks).
+    planes: ``uint32[num_superblocks, 5, 8]``: bit ``k`` of each element's class for k < 4, then
+      whether the element exists (the segment is padded to whole superblocks); a superblock's
+      planes are contiguous, so a query gathers one 160-byte row.
     first_rank: ``int32[16 * num_superblocks]``: class major, the rank of the first element of
       class c in superblock s, at ``c * num_superblocks + s`` (non-decreasing).
   """
@@ -55,12 +56,12 @@ class ClassTables(NamedTuple):
 
 def _class_mask(planes: jax.Array, cls: jax.Array | int) -> jax.Array:
   """Words whose set bits are the (existing) elements of class ``cls``."""
-  mask = planes[_CLASS_BITS]
+  mask = planes[..., _CLASS_BITS, :]
   for k in range(_CLASS_BITS):
     has_bit = ((cls >> k) & 1) == 1
     if isinstance(has_bit, jax.Array):
       has_bit = has_bit[..., None]
-    mask &= jnp.where(has_bit, planes[k], ~planes[k])
+    mask &= jnp.where(has_bit, planes[..., k, :], ~planes[..., k, :])
   return mask
 
 
@@ -76,7 +77,7 @@ def class_tables(bits: jax.Array, dtype: np.dtype) -> ClassTables:
   exists = jnp.where(filled == _WORD, jnp.uint32(0xFFFFFFFF),
                      (jnp.uint32(1) << (filled & 31)) - 1)
   planes = [jnp.pad(p, (0, num_words - p.shape[0])) for p in planes] + [exists]
-  planes = jnp.stack(planes).reshape(_CLASS_BITS + 1, num_superblocks, _SUPERBLOCK_WORDS)
+  planes = jnp.stack([p.reshape(num_superblocks, _SUPERBLOCK_WORDS) for p in planes], axis=1)
   counts = jnp.stack([
       jnp.sum(lax.population_count(_class_mask(planes, c)).astype(jnp.int32), axis=-1)
       for c in range(NUM_CLASSES)]).reshape(-1)
@@ -88,7 +89,7 @@ def class_tables(bits: jax.Array, dtype: np.dtype) -> ClassTables:
 def _superblock_words(tables: ClassTables, superblock: jax.Array,
                       cls: jax.Array) -> jax.Array:
   """``uint32[n, 8]``: the class-``cls`` masks of the words of each ``superblock``."""
-  return _class_mask(tables.planes[:, superblock], cls)
+  return _class_mask(tables.planes[superblock], cls)
 
 
 def ranks_of(tables: ClassTables, positions: jax.Array, classes: jax.Array) -> jax.Array:
@@ -102,13 +103,13 @@ def ranks_of(tables: ClassTables, positions: jax.Array, classes: jax.Array) -> j
                     jnp.where(index == word[:, None], words & ((jnp.uint32(1) << bit) - 1)[:, None],
                               0))
   before = jnp.sum(lax.population_count(below).astype(jnp.int32), axis=-1)
-  num_superblocks = tables.planes.shape[1]
+  num_superblocks = tables.planes.shape[0]
   return tables.first_rank[classes.astype(jnp.int32) * num_superblocks + superblock] + before
 
 
 def positions_of(tables: ClassTables, ranks: jax.Array) -> jax.Array:
   """The positions of the elements with the given ranks (each in ``[0, size)``)."""
-  num_superblocks = tables.planes.shape[1]
+  num_superblocks = tables.planes.shape[0]
   flat = jnp.searchsorted(tables.first_rank, ranks, side="right", method="scan") - 1
   cls, superblock = flat // num_superblocks, flat % num_superblocks
   within = ranks - tables.first_rank[flat]

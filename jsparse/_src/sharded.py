@@ -149,8 +149,7 @@ def apply_blocks(layout: Layout, shape: tuple[int, ...], base: jax.Array, indice
                            block_size)
     flat = base_block.reshape(-1)
     if decode is not None:
-      vals = decode(bits_lib.gather_rollout_bits(flat, jnp.minimum(local_flat, block_size - 1),
-                                                 flat.dtype), vals)
+      vals = decode(bits_lib.gather_bits(flat, jnp.minimum(local_flat, block_size - 1)), vals)
     return bits_lib.scatter_bits(flat, local_flat, vals).reshape(block)
 
   return layout.shard_map(local, (layout.spec, PartitionSpec(), PartitionSpec()),

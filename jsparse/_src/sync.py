@@ -199,9 +199,13 @@ class Sender:
     plan = self.plan
     compact = self.wire_format == wire.COMPACT
     flat = commit_leaves(plan.flatten(params, what="params"))
-    delta, old_values, ranks, snapshot, digest = sync_steps.sender_step(
+    delta, old_values, tables, snapshot, digest = sync_steps.sender_step(
         plan, compact, self._snapshot, flat)
     self._snapshot = snapshot
+    ranks = None
+    if compact:  # ranks need only as many slots as this step's changes
+      slots = sync_steps.slots_needed(plan, np.asarray(delta.counts))
+      ranks = sync_steps.ranks(plan, slots, tables, delta.indices, old_values)
     delta, old_values, ranks = jax.device_get((delta, old_values, ranks))
     full = full or (self.anchor_every is not None and version % self.anchor_every == 0)
     segments = host_segments(plan, self.wire_format, delta, old_values, ranks,
@@ -298,9 +302,10 @@ class Receiver:
     if len(dense) == len(plan.segments):
       digest = sync_steps.digest(flat, self._layouts)
     elif payload.format == wire.COMPACT:
-      keys, codes, counts = self._padded(payload)
-      flat, digest = sync_steps.apply_steps[self._donate](plan, self._layouts, flat, keys, codes,
-                                                          counts)
+      keys, codes, counts = self._padded(payload, compact=True)
+      indices = sync_steps.positions(plan, flat, keys, counts)
+      flat, digest = sync_steps.apply_steps[self._donate](plan, self._layouts, flat, indices,
+                                                          codes, counts)
     else:
       keys, values, counts = self._padded(payload)
       delta = Delta(keys, values, counts, np.zeros(counts.shape, bool))
@@ -312,20 +317,23 @@ class Receiver:
     self.version, self._digest = payload.version, payload.new_digest
     return self.params
 
-  def _padded(self, payload: wire.Payload) -> tuple[tuple, tuple, np.ndarray]:
+  def _padded(self, payload: wire.Payload, compact: bool = False) -> tuple[tuple, tuple, np.ndarray]:
     """Per segment: keys (positions or ranks; the segment size where unused) and values padded
-    to the capacity, and the counts (0 for dense segments, which are written already)."""
-    indices, values, counts = [], [], []
-    for seg, part in zip(self.plan.segments, payload.segments):
-      idx = np.full(seg.capacity, seg.size, np.int32)
-      val = np.zeros(seg.capacity, seg.bit_dtype)
-      if part.mode != wire.DENSE:
-        idx[:len(part.indices)] = part.indices
-        val[:len(part.values)] = part.values
+    to the capacity (compact: to :func:`sync_steps.slots_needed`), and the counts (0 for dense
+    segments, which are written already)."""
+    counts = np.array([0 if p.mode == wire.DENSE else len(p.indices) for p in payload.segments],
+                      np.int32)
+    slots = (sync_steps.slots_needed(self.plan, counts) if compact
+             else [seg.capacity for seg in self.plan.segments])
+    indices, values = [], []
+    for seg, part, n, count in zip(self.plan.segments, payload.segments, slots, counts):
+      idx = np.full(n, seg.size, np.int32)
+      val = np.zeros(n, seg.bit_dtype)
+      idx[:count] = part.indices[:count] if count else idx[:0]
+      val[:count] = part.values[:count] if count else val[:0]
       indices.append(idx)
       values.append(val)
-      counts.append(0 if part.mode == wire.DENSE else len(part.indices))
-    return tuple(indices), tuple(values), np.array(counts, np.int32)
+    return tuple(indices), tuple(values), counts
 
   def _replace_dense(self, flat: list, dense: dict[int, np.ndarray]) -> list:
     for s, seg_bits in dense.items():

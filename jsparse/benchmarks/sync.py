@@ -179,10 +179,18 @@ def _jsparse(plan, before, after, repeats, wire_format):
   # Parts: the jitted diff step, host encoding, host decoding, the jitted apply.
   compact = wire_format == wire.COMPACT
   flat = jax.tree.leaves(after)
-  step = functools.partial(sync_steps.sender_step, plan, compact)
   fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
+
+  def step(snapshot_flat, new_flat):  # what Sender.payload runs on device
+    delta, old, tables, _, _ = sync_steps.sender_step(plan, compact, snapshot_flat, new_flat)
+    ranks = None
+    if compact:
+      slots = sync_steps.slots_needed(plan, np.asarray(delta.counts))
+      ranks = sync_steps.ranks(plan, slots, tables, delta.indices, old)
+    return delta, old, ranks
+
   row["diff"] = _best(step, fresh_snapshot, repeats)
-  delta, old, ranks, _, _ = jax.device_get(step(*fresh_snapshot()))
+  delta, old, ranks = jax.device_get(step(*fresh_snapshot()))
   dense = lambda s: sync._segment_host_bits(plan, s, jax.tree.leaves(snapshot))
 
   def encode_host():
@@ -193,15 +201,22 @@ def _jsparse(plan, before, after, repeats, wire_format):
   row["host_encode"] = _best(encode_host, repeats=repeats)
   receiver = fresh_receiver()[0]
   row["host_decode"] = _best(lambda: receiver._padded(wire.decode(plan, data)), repeats=repeats)
-  keys, values, counts = receiver._padded(wire.decode(plan, data))
+  keys, values, counts = receiver._padded(wire.decode(plan, data), compact=compact)
   layouts = receiver_layouts(plan, jax.tree.leaves(snapshot))
   if compact:
-    jitted, args = sync_steps.apply_steps[True], (keys, values, counts)
+    jitted = sync_steps.apply_steps[True]
+    args = (sync_steps.positions(plan, jax.tree.leaves(snapshot), keys, counts), values, counts)
+    prepare = lambda f: sync_steps.positions(plan, f, keys, counts)
   else:
     jitted = sync_steps.apply_bits[True]
     args = (jsparse.Delta(keys, values, counts, np.zeros(counts.shape, bool)),)
-  row["device_apply"] = _best(lambda f: jitted(plan, layouts, f, *args),
-                              lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
+    prepare = lambda f: None
+
+  def device_apply(f):
+    prepare(f)
+    return jitted(plan, layouts, f, *args)
+
+  row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
   row["temp"] = (_temp(sync_steps.sender_step, plan, compact, *fresh_snapshot())
                  + _temp(jitted, plan, layouts, jax.tree.leaves(snapshot), *args))
   return row
