@@ -25,11 +25,14 @@ def _tree(rng, dtype=np.float32):
 
 @settings(max_examples=40)
 @given(strategies.trees_and_updates(), st.sampled_from([0.01, 0.3, 1.0]),
-       st.sampled_from([0.01, 1.0]), st.sampled_from([1, 512]))
-def test_any_update_roundtrips_exactly(pair, capacity, pooled_capacity, bucket_size):
+       st.sampled_from([0.01, 1.0]), st.sampled_from([1, 512]), st.sampled_from([1, 2]))
+def test_any_update_roundtrips_exactly(pair, capacity, pooled_capacity, bucket_size,
+                                       wire_format):
   base, new = pair
-  plan, sender, receiver = _pair(base, capacity=capacity, pooled_capacity=pooled_capacity,
-                                 bucket_size=bucket_size)
+  plan = jsparse.make_plan(base, capacity=capacity, pooled_capacity=pooled_capacity,
+                           bucket_size=bucket_size)
+  sender = jsparse.Sender(plan, base, wire_format=wire_format)
+  receiver = jsparse.Receiver(plan, plan.cast(base))
   out = receiver.receive(sender.send(new))
   assert_trees_bitwise_equal(out, new)
   assert_trees_bitwise_equal(sender.snapshot, new)

@@ -199,6 +199,8 @@ class Sender:
     plan = self.plan
     compact = self.wire_format == wire.COMPACT
     flat = commit_leaves(plan.flatten(params, what="params"))
+    flat = [jnp.copy(x) if any(x is y for y in self._snapshot) else x  # donated below
+            for x in flat]
     delta, old_values, tables, snapshot, digest = sync_steps.sender_step(
         plan, compact, self._snapshot, flat)
     self._snapshot = snapshot
@@ -226,7 +228,11 @@ class Receiver:
   """Rollout side of a sync: applies payloads from a :class:`Sender` to its params.
 
   The receiver owns ``params``: with ``donate=True`` (the default) each receive updates the
-  arrays in place, and arrays handed in earlier must not be used afterwards. Each leaf keeps the
+  arrays in place, and arrays handed in earlier must not be used afterwards. Every payload is
+  validated in full before anything is written (checksum, structure, versions, the base
+  digest); the digest of the result is checked after. A payload that fails that last check
+  (it passed the checksum, so it was built wrong, not damaged in transit) leaves a
+  non-donating receiver unchanged, and a donating one out of sync until an anchor. Each leaf keeps the
   sharding of the array it was given; a leaf split into blocks over a mesh is updated block by
   block, each device keeping only the changes inside its own block.
 
@@ -310,10 +316,17 @@ class Receiver:
       keys, values, counts = self._padded(payload)
       delta = Delta(keys, values, counts, np.zeros(counts.shape, bool))
       flat, digest = sync_steps.apply_bits[self._donate](plan, self._layouts, flat, delta)
-    self._flat = flat  # donated buffers are gone: commit whatever the check says
     if _digest_bytes(digest) != payload.new_digest:
-      raise IntegrityError(f"version {payload.version} reconstructed with a digest that differs "
-                           "from the sender's; request an anchor")
+      message = (f"version {payload.version} reconstructed with a digest that differs from the "
+                 "sender's (a payload that passed its checksum but not the end-to-end check)")
+      if not self._donate:
+        raise IntegrityError(f"{message}; nothing was applied")
+      # The old buffers were donated: keep what was built, under its own digest, so that no
+      # delta matches it and only an anchor is accepted.
+      self._flat, self._digest = flat, _digest_bytes(digest)
+      raise IntegrityError(f"{message}; this receiver is out of sync until it gets an anchor "
+                           "(sender.send(params, full=True))")
+    self._flat = flat
     self.version, self._digest = payload.version, payload.new_digest
     return self.params
 
