@@ -49,11 +49,17 @@ def test_several_optimizer_steps_between_syncs_lose_nothing():
 
 
 def test_demo_main_job_runs(tmp_path, capsys):
-  summary = demo.main(["--steps", "2", "--dim", "64", "--depth", "1", "--vocab", "256",
-                       "--out", str(tmp_path)])
-  assert summary["all_exact"] and len(summary["steps"]) == 2
+  summary = demo.main(["--steps", "3", "--dim", "64", "--depth", "1", "--vocab", "256",
+                       "--rebase-every", "1", "--out", str(tmp_path)])
+  assert summary["all_exact"] and summary["checkpoint_chain_exact"] and len(summary["steps"]) == 3
+  assert summary["trainer_mesh"] == {"fsdp": 8} and summary["rollout_mesh"] == {"data": 2,
+                                                                               "tensor": 4}
+  assert [s["checkpoint_kind"] for s in summary["steps"]] == ["delta", "base", "delta"]
   assert (tmp_path / "demo_summary.json").exists()
-  assert "every step bit-exact: True" in capsys.readouterr().out
+  assert (tmp_path / "demo_sync.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0", "1", "2", "3"]
+  out = capsys.readouterr().out
+  assert "every step bit-exact: True" in out and "demo_sync.png" in out
 
 
 def test_demo_help():
