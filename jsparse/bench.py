@@ -23,7 +23,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("--dim", type=int, default=512, help="model width")
   parser.add_argument("--depth", type=int, default=6, help="residual blocks")
   parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
-  parser.add_argument("--steps", type=int, default=5, help="RL-like steps to run")
+  parser.add_argument("--steps", type=int, default=8, help="RL-like steps to run")
   parser.add_argument("--repeats", type=int, default=5, help="timing repeats (best is kept)")
   parser.add_argument("--only", choices=["sync", "storage"], help="run one part only")
   args = parser.parse_args(argv)

@@ -1,0 +1,24 @@
+"""Every colab/ notebook runs top to bottom unchanged (nbclient, a real Jupyter kernel)."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "colab").glob("*.ipynb"))
+
+
+def test_the_five_notebooks_are_there():
+  assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_executes(path, tmp_path):
+  notebook = nbformat.read(path, as_version=4)
+  client = NotebookClient(notebook, timeout=600, kernel_name="python3",
+                          resources={"metadata": {"path": str(tmp_path)}})
+  client.execute()  # raises CellExecutionError, with the cell and its traceback, on failure
+  errors = [o for cell in notebook.cells if cell.cell_type == "code"
+            for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+  assert not errors
