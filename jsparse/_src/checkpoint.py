@@ -2,9 +2,10 @@
 
 Every step is an ordinary Orbax checkpoint, written by ``ocp.CheckpointManager`` with its atomic
 commit: a *base* step holds the full tree in rollout dtypes (``params``), a *delta* step holds
-only what changed since the step before it (``delta``: the plain arrays of a
-:class:`~jsparse.Sender` payload in positions and new bit patterns, which any target sharding
-can apply block by block). Both carry a small JSON ``meta`` item: the step the delta
+only what changed since the step before it (``delta``: plain arrays of a compact
+:class:`~jsparse.Sender` payload that names changes by position, so that any target sharding
+can apply it block by block: position gaps and step codes, which Orbax's compression shrinks
+to ~1.5 bytes per change). Both carry a small JSON ``meta`` item: the step the delta
 applies to, the chain's base, the plan fingerprint and the 64-bit digest of the bit patterns
 after the step. Restoring step ``s`` restores its base onto the shardings asked for, then applies
 the deltas in order, checking every digest, so a restore is bit-exact or an error that names the
@@ -39,28 +40,33 @@ from jsparse._src.plan import Plan
 from jsparse._src.sync import Receiver, Sender
 
 PyTree = Any
-_FORMAT = 1
-_MODES = {wire.EMPTY: "empty", wire.LIST: "list", wire.BITMAP: "bitmap", wire.DENSE: "dense"}
+_FORMAT = 2
+_MODES = {wire.EMPTY: "empty", wire.NATURAL: "steps", wire.DENSE: "dense"}
 _MODE_IDS = {v: k for k, v in _MODES.items()}
 
 
 def payload_arrays(plan: Plan, payload: wire.Payload) -> dict[str, Any]:
-  """A payload's changes as plain arrays: ``indices`` (int32, the sparse segments' positions
-  laid end to end) and ``values`` (one array per bit dtype, in segment order). Each array ends
-  with one padding element: Orbax refuses zero-size arrays."""
-  indices = [p.indices for p in payload.segments if p.mode != wire.DENSE]
+  """A position-coded compact payload as plain arrays: ``gaps`` (int32: per sparse segment, the
+  first position, then each position minus the previous one minus 1; small numbers that Orbax's
+  compression shrinks) and ``values`` (one array per bit dtype, in segment order: step codes of
+  sparse segments, bits of dense ones). Each array ends with one padding element: Orbax refuses
+  zero-size arrays."""
+  gaps = [np.diff(p.indices.astype(np.int64), prepend=-1).astype(np.int32) - 1
+          for p in payload.segments if p.mode == wire.NATURAL]
   values: dict[str, list[np.ndarray]] = {}
   for seg, part in zip(plan.segments, payload.segments):
     values.setdefault(seg.bit_dtype.name, []).append(np.asarray(part.values, seg.bit_dtype))
   pad = lambda parts, dtype: np.concatenate(parts + [np.zeros(1, dtype)])
-  return {"indices": pad(indices, np.int32),
+  return {"gaps": pad(gaps, np.int32),
           "values": {name: pad(parts, np.dtype(name)) for name, parts in values.items()}}
 
 
 def _payload_from_arrays(plan: Plan, meta: dict, arrays: dict) -> wire.Payload:
   """Inverse of :func:`payload_arrays`, given the modes and counts kept in ``meta``."""
-  indices, values = arrays["indices"], arrays["values"]
-  index_at, value_at = 0, dict.fromkeys(values, 0)
+  gaps, values = arrays["gaps"], arrays["values"]
+  if np.any(gaps < 0):
+    raise CheckpointError(f"step {meta['step']}: negative position gaps (corrupted)")
+  gap_at, value_at = 0, dict.fromkeys(values, 0)
   segments = []
   for seg, mode_name, count in zip(plan.segments, meta["modes"], meta["counts"]):
     mode = _MODE_IDS[mode_name]
@@ -68,23 +74,24 @@ def _payload_from_arrays(plan: Plan, meta: dict, arrays: dict) -> wire.Payload:
     name = seg.bit_dtype.name
     part_values = values[name][value_at[name]:value_at[name] + count]
     value_at[name] += count
-    part_indices = None
+    positions = None
     if mode != wire.DENSE:
-      part_indices = indices[index_at:index_at + count]
-      index_at += count
-    segments.append(wire.SegmentPayload(mode, part_indices, part_values))
+      positions = (np.cumsum(gaps[gap_at:gap_at + count].astype(np.int64) + 1) - 1)
+      positions = positions.astype(np.int32) if count else np.zeros(0, np.int32)
+      gap_at += count
+    segments.append(wire.SegmentPayload(mode, positions, part_values))
   return wire.Payload(wire.DELTA, meta["parent"], meta["step"], bytes.fromhex(meta["parent_digest"]),
-                      bytes.fromhex(meta["digest"]), tuple(segments))
+                      bytes.fromhex(meta["digest"]), tuple(segments), wire.COMPACT)
 
 
 def _delta_target(plan: Plan, meta: dict) -> dict[str, Any]:
   """numpy targets of the right sizes, so that Orbax restores a delta's arrays on the host."""
-  num_indices, num_values = 1, {}
+  num_gaps, num_values = 1, {}
   for seg, mode, count in zip(plan.segments, meta["modes"], meta["counts"]):
     n = seg.size if mode == "dense" else int(count)
-    num_indices += 0 if mode == "dense" else n
+    num_gaps += 0 if mode == "dense" else n
     num_values[seg.bit_dtype.name] = num_values.get(seg.bit_dtype.name, 1) + n
-  return {"indices": np.zeros(num_indices, np.int32),
+  return {"gaps": np.zeros(num_gaps, np.int32),
           "values": {k: np.zeros(n, np.dtype(k)) for k, n in num_values.items()}}
 
 
@@ -188,7 +195,7 @@ class DeltaCheckpointManager:
     self._sender = None  # until this step is committed
     chain_length = len(self.chain(sender.version)) if sender is not None else 0
     if force_base or sender is None or chain_length > self.rebase_every:
-      sender = Sender(self.plan, params, version=step, wire_format=wire.LISTS)
+      sender = Sender(self.plan, params, version=step, ranked=False)
       meta = {"kind": "base", "base": step, "parent": None, "changed": self.plan.num_elements}
       item = ocp.args.StandardSave(sender.snapshot)
       args = ocp.args.Composite(params=item, meta=ocp.args.JsonSave(self._meta_of(step, meta, sender)))
@@ -272,7 +279,7 @@ class DeltaCheckpointManager:
       logging.warning("jsparse: cannot continue the chain of step %d (%s); starting a base",
                       latest, e)
       return None
-    return Sender(self.plan, restored, version=latest, wire_format=wire.LISTS)
+    return Sender(self.plan, restored, version=latest, ranked=False)
 
   def _apply_retention(self) -> None:
     if self.max_to_keep is None:

@@ -33,6 +33,14 @@ from jsparse._src.errors import PayloadError
 from jsparse._src.plan import Plan, Segment
 
 EMPTY, DENSE, ORDERED, NATURAL = 0, 3, 4, 5
+
+
+def ranked_segments(plan: Plan, modes: Sequence[int]) -> tuple[bool, ...]:
+  """Which segments' keys are ranks, for a payload with these segment ``modes``: the ordered
+  segments, unless the payload names changes of an ordered segment by position (then none:
+  a payload does not mix the two)."""
+  by_position = any(m == NATURAL and seg.ordered for seg, m in zip(plan.segments, modes))
+  return tuple(seg.ordered and not by_position for seg in plan.segments)
 _RECORD = struct.Struct("<BI")
 _STREAM = struct.Struct("<II")
 _MAX_VARINT_BYTES = 5
@@ -141,6 +149,10 @@ def decode_body(plan: Plan, reader, segment_payload: type) -> tuple:
     if mode not in (EMPTY, DENSE, ORDERED, NATURAL):
       raise PayloadError(f"{where}: unknown mode {mode}")
     records.append((mode, count))
+  if any(m == ORDERED for m, _ in records) and any(
+      m == NATURAL and seg.ordered for seg, (m, _) in zip(plan.segments, records)):
+    raise PayloadError("a payload names changes by rank in some ordered segments and by "
+                       "position in others")
   total = sum(count for mode, count in records if mode in (ORDERED, NATURAL))
   gaps = varint_decode(_unpack_stream(reader, "gaps stream", _MAX_VARINT_BYTES * total),
                        total, "gaps stream", 2**31)

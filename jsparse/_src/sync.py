@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse._src import bits as bits_lib
-from jsparse._src import sync_steps, ulp, wire
+from jsparse._src import compact, sync_steps, ulp, wire
 from jsparse._src.delta import Delta, commit_leaves, receiver_layouts
 from jsparse._src.errors import IntegrityError, PlanMismatchError, VersionError
 from jsparse._src.plan import Plan
@@ -89,8 +89,9 @@ def _check_digest(actual: bytes, saved: bytes, version: int) -> None:
 def host_segments(plan: Plan, wire_format: int, delta: Delta, old_values: tuple, ranks: tuple, *,
                   dense: Any, full: bool = False) -> tuple[wire.SegmentPayload, ...]:
   """The payload records of a (host) delta: overflowed segments, and all when ``full``, carry
-  ``dense(s)``; the others their changes, coded for ``wire_format``."""
-  compact = wire_format == wire.COMPACT
+  ``dense(s)``; the others their changes, coded for ``wire_format`` (by rank in the ordered
+  segments when ``ranks`` are given)."""
+  lists = wire_format == wire.LISTS
   segments = []
   for s, seg in enumerate(plan.segments):
     if full or delta.overflow[s]:
@@ -102,14 +103,15 @@ def host_segments(plan: Plan, wire_format: int, delta: Delta, old_values: tuple,
       order = np.argsort(indices, kind="stable")
       indices, values, old = indices[order], values[order], old[order]
     indices, values, old = indices[:count], values[:count], old[:count]
-    if not compact:
+    if lists:
       segments.append(wire.SegmentPayload(wire.sparse_mode(seg.size, count), indices, values))
       continue
     codes = ulp.step_codes(old, values, seg.dtype, np)
-    if seg.ordered:  # rank order: by class, then position (a stable radix sort by class)
+    by_rank = ranks is not None and seg.ordered
+    if by_rank:  # rank order: by class, then position (a stable radix sort by class)
       order = np.argsort(ulp.exponent_class(old, seg.dtype, np), kind="stable")
       indices, codes = ranks[s][:count][order], codes[order]
-    segments.append(wire.SegmentPayload(wire.ORDERED if seg.ordered else wire.NATURAL,
+    segments.append(wire.SegmentPayload(wire.ORDERED if by_rank else wire.NATURAL,
                                         indices, codes))
   return tuple(segments)
 
@@ -135,15 +137,20 @@ class Sender:
     wire_format: 2 (compact, the default: ~1 byte per change on RL updates, and the receiver
       makes one pass over its params per payload) or 1 (lists: 4 bytes per change for 16-bit
       dtypes, no pass; for fast links). See ``jsparse/_src/wire.py``.
+    ranked: in format 2, name changes by rank in the exponent-class order where the plan
+      allows (the compact choice); False names them by position (no pass over the params on
+      either side, ~0.25 B more per change).
   """
 
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0,
-               anchor_every: int | None = None, wire_format: int = wire.COMPACT):
+               anchor_every: int | None = None, wire_format: int = wire.COMPACT,
+               ranked: bool = True):
     if anchor_every is not None and (not isinstance(anchor_every, int) or anchor_every < 1):
       raise ValueError(f"anchor_every must be a positive int or None, got {anchor_every!r}")
     if wire_format not in (wire.LISTS, wire.COMPACT):
       raise ValueError(f"wire_format must be 1 or 2, got {wire_format!r}")
     self.wire_format = wire_format
+    self.ranked = ranked
     self.plan = plan
     self.version = _check_version(version)
     self.anchor_every = anchor_every
@@ -197,20 +204,20 @@ class Sender:
     if version <= self.version:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}")
     plan = self.plan
-    compact = self.wire_format == wire.COMPACT
+    ranked = self.wire_format == wire.COMPACT and self.ranked
     flat = commit_leaves(plan.flatten(params, what="params"))
     flat = [jnp.copy(x) if any(x is y for y in self._snapshot) else x  # donated below
             for x in flat]
     delta, old_values, tables, snapshot, digest = sync_steps.sender_step(
-        plan, compact, self._snapshot, flat)
+        plan, ranked, self._snapshot, flat)
     self._snapshot = snapshot
     ranks = None
-    if compact:  # ranks need only as many slots as this step's changes
+    if ranked:  # ranks need only as many slots as this step's changes
       slots = sync_steps.slots_needed(plan, np.asarray(delta.counts))
       ranks = sync_steps.ranks(plan, slots, tables, delta.indices, old_values)
     delta, old_values, ranks = jax.device_get((delta, old_values, ranks))
     full = full or (self.anchor_every is not None and version % self.anchor_every == 0)
-    segments = host_segments(plan, self.wire_format, delta, old_values, ranks,
+    segments = host_segments(plan, self.wire_format, delta, old_values, ranks if ranked else None,
                              dense=lambda s: _segment_host_bits(plan, s, snapshot), full=full)
     new_digest = _digest_bytes(digest)
     payload = wire.Payload(wire.ANCHOR if full else wire.DELTA, self.version, version,
@@ -308,8 +315,9 @@ class Receiver:
     if len(dense) == len(plan.segments):
       digest = sync_steps.digest(flat, self._layouts)
     elif payload.format == wire.COMPACT:
-      keys, codes, counts = self._padded(payload, compact=True)
-      indices = sync_steps.positions(plan, flat, keys, counts)
+      keys, codes, counts = self._padded(payload, fit_to_changes=True)
+      ranked = compact.ranked_segments(plan, [p.mode for p in payload.segments])
+      indices = sync_steps.positions(plan, ranked, flat, keys, counts)
       flat, digest = sync_steps.apply_steps[self._donate](plan, self._layouts, flat, indices,
                                                           codes, counts)
     else:
@@ -330,13 +338,14 @@ class Receiver:
     self.version, self._digest = payload.version, payload.new_digest
     return self.params
 
-  def _padded(self, payload: wire.Payload, compact: bool = False) -> tuple[tuple, tuple, np.ndarray]:
+  def _padded(self, payload: wire.Payload,
+              fit_to_changes: bool = False) -> tuple[tuple, tuple, np.ndarray]:
     """Per segment: keys (positions or ranks; the segment size where unused) and values padded
-    to the capacity (compact: to :func:`sync_steps.slots_needed`), and the counts (0 for dense
+    to the capacity (or to :func:`sync_steps.slots_needed`), and the counts (0 for dense
     segments, which are written already)."""
     counts = np.array([0 if p.mode == wire.DENSE else len(p.indices) for p in payload.segments],
                       np.int32)
-    slots = (sync_steps.slots_needed(self.plan, counts) if compact
+    slots = (sync_steps.slots_needed(self.plan, counts) if fit_to_changes
              else [seg.capacity for seg in self.plan.segments])
     indices, values = [], []
     for seg, part, n, count in zip(self.plan.segments, payload.segments, slots, counts):

@@ -67,13 +67,14 @@ def _apply_bits(plan: Plan, layouts: tuple, flat: list, delta: Delta):
   return out, bits_digest(out, layouts)
 
 
-def _positions(plan: Plan, flat: list, keys: tuple, counts: jax.Array) -> tuple:
-  """The positions of a compact payload's changes: ``keys`` are ranks (ordered segments) or
+def _positions(plan: Plan, ranked: tuple[bool, ...], flat: list, keys: tuple,
+               counts: jax.Array) -> tuple:
+  """The positions of a compact payload's changes: ``keys`` are ranks (where ``ranked``) or
   positions; slots past ``counts`` get the segment size (skipped)."""
   indices = []
   for s, (seg, key) in enumerate(zip(plan.segments, keys)):
     used = jnp.arange(key.shape[0]) < counts[s]
-    if seg.ordered:
+    if ranked[s]:
       key = ordering.positions_of(_tables(plan, seg, flat), jnp.where(used, key, 0))
     indices.append(jnp.where(used, key, seg.size))
   return tuple(indices)
@@ -99,7 +100,7 @@ def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
 
 
 # Positions and the apply are two programs: fused into one, XLA:CPU ran them 2x slower.
-positions = jax.jit(_positions, static_argnums=0)
+positions = jax.jit(_positions, static_argnums=(0, 1))
 apply_bits = {True: jax.jit(_apply_bits, static_argnums=(0, 1), donate_argnums=2),
               False: jax.jit(_apply_bits, static_argnums=(0, 1))}
 apply_steps = {True: jax.jit(_apply_steps, static_argnums=(0, 1), donate_argnums=2),

@@ -67,10 +67,10 @@ def print_storage(plan: jsparse.Plan, rows: dict[str, list[dict]]) -> None:
   full, chain = rows["full"], rows["delta chain"]
   print(f"\nOrbax checkpoints of the bf16 params ({plan.rollout_bytes:,} B), one per step:")
   print(f"{'step':>4}{'full B':>14}{'full ms':>9}{'chain kind':>12}{'chain B':>12}{'chain ms':>10}"
-        f"{'changed':>10}")
+        f"{'changed':>12}")
   for f, c in zip(full, chain):
     print(f"{f['step']:>4}{f['bytes']:>14,}{1e3 * f['seconds']:>9.0f}{c['kind']:>12}"
-          f"{c['bytes']:>12,}{1e3 * c['seconds']:>10.0f}{c['changed']:>10,}")
+          f"{c['bytes']:>12,}{1e3 * c['seconds']:>10.0f}{c['changed']:>12,}")
   total_full = sum(r["bytes"] for r in full)
   total_chain = sum(r["bytes"] for r in chain)
   deltas = [r for r in chain[1:]]

@@ -35,6 +35,7 @@ import zstandard
 
 import jsparse
 from jsparse._src import bits as bits_lib
+from jsparse._src import compact as compact_format
 from jsparse._src import sync, sync_steps, wire
 from jsparse._src.delta import _apply_donating, receiver_layouts
 
@@ -200,13 +201,16 @@ def _jsparse(plan, before, after, repeats, wire_format):
 
   row["host_encode"] = _best(encode_host, repeats=repeats)
   receiver = fresh_receiver()[0]
-  row["host_decode"] = _best(lambda: receiver._padded(wire.decode(plan, data)), repeats=repeats)
-  keys, values, counts = receiver._padded(wire.decode(plan, data), compact=compact)
+  row["host_decode"] = _best(lambda: receiver._padded(wire.decode(plan, data), fit_to_changes=compact), repeats=repeats)
+  payload = wire.decode(plan, data)
+  keys, values, counts = receiver._padded(payload, fit_to_changes=compact)
+  ranked = compact_format.ranked_segments(plan, [p.mode for p in payload.segments])
   layouts = receiver_layouts(plan, jax.tree.leaves(snapshot))
   if compact:
     jitted = sync_steps.apply_steps[True]
-    args = (sync_steps.positions(plan, jax.tree.leaves(snapshot), keys, counts), values, counts)
-    prepare = lambda f: sync_steps.positions(plan, f, keys, counts)
+    args = (sync_steps.positions(plan, ranked, jax.tree.leaves(snapshot), keys, counts), values,
+            counts)
+    prepare = lambda f: sync_steps.positions(plan, ranked, f, keys, counts)
   else:
     jitted = sync_steps.apply_bits[True]
     args = (jsparse.Delta(keys, values, counts, np.zeros(counts.shape, bool)),)
