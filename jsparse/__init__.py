@@ -13,7 +13,8 @@ from jsparse._src.digest import bits_digest
 from jsparse._src.errors import (CheckpointError, IntegrityError, JsparseError, PayloadError, PlanError,
                                  PlanMismatchError, VersionError)
 from jsparse._src.plan import LeafSpec, Plan, Segment, make_plan
-from jsparse._src.sync import Receiver, Sender, abstract_sync_state, sync_state
+from jsparse._src.sync import Receiver, Sender
+from jsparse._src.sync_state import abstract_sync_state, sync_state
 
 __version__ = "0.1.0"
 

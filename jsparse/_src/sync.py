@@ -30,60 +30,10 @@ from jsparse._src import compact, sync_steps, ulp, wire
 from jsparse._src.delta import Delta, commit_leaves, receiver_layouts
 from jsparse._src.errors import IntegrityError, PlanMismatchError, VersionError
 from jsparse._src.plan import Plan
+from jsparse._src.sync_state import (check_digest, check_state, check_version, digest_bytes,
+                                     sync_state)
 
 PyTree = Any
-
-
-def _check_version(version: Any) -> int:
-  if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) \
-      or not 0 <= version < 2**63:
-    raise VersionError(f"a version must be an int in [0, 2**63), got {version!r}")
-  return int(version)
-
-
-def sync_state(plan: Plan, version: int, digest: bytes, params: PyTree) -> dict[str, Any]:
-  """The resumable state of a sender or receiver, as a tree of arrays Orbax saves as it is.
-
-  Keys: ``version`` (int64 scalar), ``digest`` (uint32[2], of ``params``' bit patterns),
-  ``plan`` (uint8[16], the plan's fingerprint) and ``params`` (the synced tree, in rollout
-  dtypes).
-  """
-  return {"version": np.array(version, np.int64),
-          "digest": np.frombuffer(digest, "<u4").astype(np.uint32),
-          "plan": np.frombuffer(plan.fingerprint, np.uint8).copy(),
-          "params": params}
-
-
-def abstract_sync_state(plan: Plan, shardings: PyTree | None = None) -> dict[str, Any]:
-  """The abstract target to restore a :func:`sync_state` onto, its params placed by
-  ``shardings`` (a tree of shardings with the plan's structure; None: the default device).
-
-  >>> import jax.numpy as jnp, jsparse
-  >>> plan = jsparse.make_plan({'w': jnp.zeros(3)}, rollout_dtype=jnp.bfloat16)
-  >>> abstract_sync_state(plan)['params']['w'].dtype
-  dtype(bfloat16)
-  """
-  return {"version": np.zeros((), np.int64), "digest": np.zeros(2, np.uint32),
-          "plan": np.zeros(16, np.uint8), "params": plan.rollout_shapes(shardings)}
-
-
-def _check_state(plan: Plan, state: Any, *, rollout_only: bool) -> tuple[int, bytes, PyTree]:
-  if not isinstance(state, dict) or set(state) != {"version", "digest", "plan", "params"}:
-    raise PlanMismatchError("sync state: expected a dict with keys version, digest, plan, params"
-                            f", got {sorted(state) if isinstance(state, dict) else type(state)}")
-  if np.asarray(state["plan"], np.uint8).tobytes() != plan.fingerprint:
-    raise PlanMismatchError("sync state: it was saved for another plan (fingerprint differs)")
-  plan.flatten(state["params"], what="sync state params", rollout_only=rollout_only)
-  digest = np.asarray(state["digest"], np.uint32)
-  if digest.shape != (2,):
-    raise PlanMismatchError(f"sync state: digest must be uint32[2], got {digest.shape}")
-  return _check_version(int(state["version"])), digest.astype("<u4").tobytes(), state["params"]
-
-
-def _check_digest(actual: bytes, saved: bytes, version: int) -> None:
-  if actual != saved:
-    raise IntegrityError(f"restored sync state of version {version}: its params do not match "
-                         "the digest saved with them (corrupted or from another run)")
 
 
 def host_segments(plan: Plan, wire_format: int, delta: Delta, old_values: tuple, ranks: tuple, *,
@@ -114,10 +64,6 @@ def host_segments(plan: Plan, wire_format: int, delta: Delta, old_values: tuple,
     segments.append(wire.SegmentPayload(wire.ORDERED if by_rank else wire.NATURAL,
                                         indices, codes))
   return tuple(segments)
-
-
-def _digest_bytes(digest: jax.Array) -> bytes:
-  return np.asarray(digest, np.uint32).astype("<u4").tobytes()
 
 
 def _segment_host_bits(plan: Plan, segment_id: int, flat: list) -> np.ndarray:
@@ -152,11 +98,11 @@ class Sender:
     self.wire_format = wire_format
     self.ranked = ranked
     self.plan = plan
-    self.version = _check_version(version)
+    self.version = check_version(version)
     self.anchor_every = anchor_every
     flat = commit_leaves(plan.flatten(params, what="params"))
     self._snapshot, digest = sync_steps.snapshot_and_digest(plan, flat)
-    self._digest = _digest_bytes(digest)
+    self._digest = digest_bytes(digest)
     self.last_stats: dict[str, Any] = {}
 
   def state(self) -> dict[str, Any]:
@@ -173,10 +119,10 @@ class Sender:
       PlanMismatchError: the state belongs to another plan.
       IntegrityError: the restored snapshot does not match the digest saved with it.
     """
-    version, digest, params = _check_state(plan, state, rollout_only=False)
+    version, digest, params = check_state(plan, state, rollout_only=False)
     sender = cls(plan, params, version=version, anchor_every=anchor_every,
                  wire_format=wire_format)
-    _check_digest(sender._digest, digest, version)
+    check_digest(sender._digest, digest, version)
     return sender
 
   @property
@@ -200,7 +146,7 @@ class Sender:
               version: int | None = None) -> wire.Payload:
     """Like :meth:`send`, but returns the decoded :class:`wire.Payload` (what a
     :class:`Receiver` applies with :meth:`Receiver.apply_payload`), not its bytes."""
-    version = self.version + 1 if version is None else _check_version(version)
+    version = self.version + 1 if version is None else check_version(version)
     if version <= self.version:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}")
     plan = self.plan
@@ -219,7 +165,7 @@ class Sender:
     full = full or (self.anchor_every is not None and version % self.anchor_every == 0)
     segments = host_segments(plan, self.wire_format, delta, old_values, ranks if ranked else None,
                              dense=lambda s: _segment_host_bits(plan, s, snapshot), full=full)
-    new_digest = _digest_bytes(digest)
+    new_digest = digest_bytes(digest)
     payload = wire.Payload(wire.ANCHOR if full else wire.DELTA, self.version, version,
                            self._digest, new_digest, tuple(segments), self.wire_format)
     self.version, self._digest = version, new_digest
@@ -252,11 +198,11 @@ class Receiver:
 
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0, donate: bool = True):
     self.plan = plan
-    self.version = _check_version(version)
+    self.version = check_version(version)
     self._flat = commit_leaves(plan.flatten(params, what="params", rollout_only=True))
     self._layouts = receiver_layouts(plan, self._flat)
     self._donate = donate
-    self._digest = _digest_bytes(sync_steps.digest(self._flat, self._layouts))
+    self._digest = digest_bytes(sync_steps.digest(self._flat, self._layouts))
 
   @property
   def params(self) -> PyTree:
@@ -277,9 +223,9 @@ class Receiver:
       PlanMismatchError: the state belongs to another plan.
       IntegrityError: the restored params do not match the digest saved with them.
     """
-    version, digest, params = _check_state(plan, state, rollout_only=True)
+    version, digest, params = check_state(plan, state, rollout_only=True)
     receiver = cls(plan, params, version=version, donate=donate)
-    _check_digest(receiver._digest, digest, version)
+    check_digest(receiver._digest, digest, version)
     return receiver
 
   def receive(self, data: bytes) -> PyTree:
@@ -324,14 +270,14 @@ class Receiver:
       keys, values, counts = self._padded(payload)
       delta = Delta(keys, values, counts, np.zeros(counts.shape, bool))
       flat, digest = sync_steps.apply_bits[self._donate](plan, self._layouts, flat, delta)
-    if _digest_bytes(digest) != payload.new_digest:
+    if digest_bytes(digest) != payload.new_digest:
       message = (f"version {payload.version} reconstructed with a digest that differs from the "
                  "sender's (a payload that passed its checksum but not the end-to-end check)")
       if not self._donate:
         raise IntegrityError(f"{message}; nothing was applied")
       # The old buffers were donated: keep what was built, under its own digest, so that no
       # delta matches it and only an anchor is accepted.
-      self._flat, self._digest = flat, _digest_bytes(digest)
+      self._flat, self._digest = flat, digest_bytes(digest)
       raise IntegrityError(f"{message}; this receiver is out of sync until it gets an anchor "
                            "(sender.send(params, full=True))")
     self._flat = flat

@@ -39,7 +39,7 @@ from jsparse._src import compact as compact_format
 from jsparse._src import sync, sync_steps, wire
 from jsparse._src.delta import _apply_donating, receiver_layouts
 
-LINKS_GBIT = (1, 10, 100)
+LINKS_GBIT = (0.1, 1, 10, 100)
 METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + zstd",
            "jsparse format 1 (lists)", "jsparse format 2 (compact)")
 
@@ -256,7 +256,7 @@ def print_report(plan: jsparse.Plan, steps: list[dict], rows: dict, step: int) -
       for i, r in enumerate(steps)))
   print(f"\nstep {step}: {changed:,} of {plan.num_elements:,} bf16 elements changed "
         f"({changed / plan.num_elements:.3%}); dense = {dense:,} B\n")
-  links = "".join(f"{f'{g}G e2e ms':>12}" for g in LINKS_GBIT)
+  links = "".join(f"{f'{g:g}G e2e ms':>13}" for g in LINKS_GBIT)
   print(f"{'method':<46}{'bytes':>11}{'B/chg':>7}{'vs dense':>9}{'enc ms':>8}{'apply ms':>9}"
         f"{'temp MB':>8}{links}")
   for name, r in rows.items():
@@ -264,9 +264,9 @@ def print_report(plan: jsparse.Plan, steps: list[dict], rows: dict, step: int) -
     r["e2e"] = dict(zip(LINKS_GBIT, e2e))
     print(f"{name:<46}{r['bytes']:>11,}{r['bytes'] / changed:>7.2f}{dense / r['bytes']:>8.1f}x"
           f"{1e3 * r['encode']:>8.1f}{1e3 * r['apply']:>9.1f}{r['temp'] / 2**20:>8.1f}"
-          + "".join(f"{1e3 * t:>12.1f}" for t in e2e))
+          + "".join(f"{1e3 * t:>13.1f}" for t in e2e))
   base = rows[METHODS[0]]["e2e"]
-  print(f"\nend-to-end speedup over dense bf16 at {', '.join(f'{g}' for g in LINKS_GBIT)} "
+  print(f"\nend-to-end speedup over dense bf16 at {', '.join(f'{g:g}' for g in LINKS_GBIT)} "
         "Gbit/s:")
   for name, r in rows.items():
     print(f"  {name:<44}" + "  ".join(f"{base[g] / r['e2e'][g]:>6.1f}x" for g in LINKS_GBIT))
