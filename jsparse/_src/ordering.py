@@ -115,12 +115,11 @@ def positions_of(tables: ClassTables, ranks: jax.Array) -> jax.Array:
   within = ranks - tables.first_rank[flat]
   words = _superblock_words(tables, superblock, cls)
   counts = lax.population_count(words).astype(jnp.int32)
-  word, before, total = jnp.zeros_like(within), jnp.zeros_like(within), jnp.zeros_like(within)
-  for j in range(_SUPERBLOCK_WORDS - 1):  # the word holding rank ``within``, and ranks before it
-    total = total + counts[:, j]
-    passed = total <= within
-    word = jnp.where(passed, j + 1, word)
-    before = jnp.where(passed, total, before)
-  chosen = jnp.take_along_axis(words, word[:, None], axis=-1)[:, 0]
+  ends = jnp.cumsum(counts, axis=-1)  # class-``cls`` elements up to and including each word
+  passed = ends <= within[:, None]
+  word = jnp.sum(passed.astype(jnp.int32), axis=-1)  # the word holding rank ``within``
+  before = jnp.max(jnp.where(passed, ends, 0), axis=-1)
+  index = lax.broadcasted_iota(jnp.int32, words.shape, 1)
+  chosen = jnp.max(jnp.where(index == word[:, None], words, jnp.uint32(0)), axis=-1)
   bit = rank_select(chosen, within - before + 1)
   return superblock * _SUPERBLOCK + word * _WORD + bit
