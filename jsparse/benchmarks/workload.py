@@ -17,9 +17,11 @@ from flax import nnx
 from jsparse.examples import rl_model
 
 
-def benchmark_config(dim: int = 512, depth: int = 6, vocab: int = 8192) -> rl_model.Config:
+def benchmark_config(dim: int = 512, depth: int = 6, vocab: int = 8192, pretrain_steps: int = 300,
+                     lr: float = 1e-6) -> rl_model.Config:
   """The default benchmark model: ~21M parameters."""
-  return rl_model.Config(vocab=vocab, dim=dim, depth=depth, batch=8, seq=32, pretrain_steps=10)
+  return rl_model.Config(vocab=vocab, dim=dim, depth=depth, batch=8, seq=32,
+                         pretrain_steps=pretrain_steps, rl_lr=lr)
 
 
 def realistic_run(cfg: rl_model.Config, steps: int) -> list:
