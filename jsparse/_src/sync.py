@@ -267,7 +267,7 @@ class Receiver:
       flat, digest = sync_steps.apply_steps[self._donate](plan, self._layouts, flat, indices,
                                                           codes, counts)
     else:
-      keys, values, counts = self._padded(payload)
+      keys, values, counts = self._padded(payload, fit_to_changes=True)
       delta = Delta(keys, values, counts, np.zeros(counts.shape, bool))
       flat, digest = sync_steps.apply_bits[self._donate](plan, self._layouts, flat, delta)
     if digest_bytes(digest) != payload.new_digest:

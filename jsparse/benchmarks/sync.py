@@ -201,9 +201,10 @@ def _jsparse(plan, before, after, repeats, wire_format):
 
   row["host_encode"] = _best(encode_host, repeats=repeats)
   receiver = fresh_receiver()[0]
-  row["host_decode"] = _best(lambda: receiver._padded(wire.decode(plan, data), fit_to_changes=compact), repeats=repeats)
+  row["host_decode"] = _best(
+      lambda: receiver._padded(wire.decode(plan, data), fit_to_changes=True), repeats=repeats)
   payload = wire.decode(plan, data)
-  keys, values, counts = receiver._padded(payload, fit_to_changes=compact)
+  keys, values, counts = receiver._padded(payload, fit_to_changes=True)
   ranked = compact_format.ranked_segments(plan, [p.mode for p in payload.segments])
   layouts = receiver_layouts(plan, jax.tree.leaves(snapshot))
   if compact:
