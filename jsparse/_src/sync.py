@@ -151,19 +151,19 @@ class Sender:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}")
     plan = self.plan
     ranked = self.wire_format == wire.COMPACT and self.ranked
+    full = full or (self.anchor_every is not None and version % self.anchor_every == 0)
     flat = commit_leaves(plan.flatten(params, what="params"))
-    flat = [jnp.copy(x) if any(x is y for y in self._snapshot) else x  # donated below
-            for x in flat]
+    snapshot_ids = {id(x) for x in self._snapshot}  # the snapshot is donated below
+    flat = [jnp.copy(x) if id(x) in snapshot_ids else x for x in flat]
     delta, old_values, tables, snapshot, digest = sync_steps.sender_step(
         plan, ranked, self._snapshot, flat)
     self._snapshot = snapshot
     ranks = None
-    if ranked:  # ranks need only as many slots as this step's changes
+    if ranked and not full:  # ranks need only as many slots as this step's changes
       slots = sync_steps.slots_needed(plan, np.asarray(delta.counts))
       ranks = sync_steps.ranks(plan, slots, tables, delta.indices, old_values)
     delta, old_values, ranks = jax.device_get((delta, old_values, ranks))
-    full = full or (self.anchor_every is not None and version % self.anchor_every == 0)
-    segments = host_segments(plan, self.wire_format, delta, old_values, ranks if ranked else None,
+    segments = host_segments(plan, self.wire_format, delta, old_values, ranks,
                              dense=lambda s: _segment_host_bits(plan, s, snapshot), full=full)
     new_digest = digest_bytes(digest)
     payload = wire.Payload(wire.ANCHOR if full else wire.DELTA, self.version, version,
