@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Sequence
@@ -131,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   receiver = jsparse.Receiver(plan, jax.device_put(plan.cast(params), rollout_shardings))
   os.makedirs(args.out, exist_ok=True)
   checkpoints = os.path.abspath(os.path.join(args.out, "checkpoints"))
+  shutil.rmtree(checkpoints, ignore_errors=True)  # this run's chain replaces an earlier run's
   chain = jsparse.DeltaCheckpointManager(checkpoints, plan, rebase_every=args.rebase_every)
   chain.save(0, params)
   print(f"{plan.num_elements:,} parameters in {len(plan.leaves)} leaves; dense bf16 sync = "

@@ -60,6 +60,10 @@ def test_demo_main_job_runs(tmp_path, capsys):
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0", "1", "2", "3"]
   out = capsys.readouterr().out
   assert "every step bit-exact: True" in out and "demo_sync.png" in out
+  again = demo.main(["--steps", "1", "--dim", "64", "--depth", "1", "--vocab", "256",
+                     "--out", str(tmp_path), "--no-progress"])  # a second run, same folder
+  assert again["all_exact"]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0", "1"]
 
 
 def test_demo_help():
