@@ -10,8 +10,8 @@
 from jsparse._src.checkpoint import DeltaCheckpointManager
 from jsparse._src.delta import Delta, apply, diff
 from jsparse._src.digest import bits_digest
-from jsparse._src.errors import (CheckpointError, IntegrityError, JsparseError, PayloadError, PlanError,
-                                 PlanMismatchError, VersionError)
+from jsparse._src.errors import (CheckpointError, IntegrityError, JsparseError, PayloadError,
+                                 PlanError, PlanMismatchError, VersionError)
 from jsparse._src.plan import LeafSpec, Plan, Segment, make_plan
 from jsparse._src.sync import Receiver, Sender
 from jsparse._src.sync_state import abstract_sync_state, sync_state
@@ -19,7 +19,8 @@ from jsparse._src.sync_state import abstract_sync_state, sync_state
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "Delta", "DeltaCheckpointManager", "IntegrityError", "JsparseError", "LeafSpec", "PayloadError", "Plan", "PlanError",
-    "PlanMismatchError", "Receiver", "Segment", "Sender", "VersionError", "apply", "bits_digest",
-    "abstract_sync_state", "diff", "make_plan", "sync_state",
+    "CheckpointError", "Delta", "DeltaCheckpointManager", "IntegrityError", "JsparseError",
+    "LeafSpec", "PayloadError", "Plan", "PlanError", "PlanMismatchError", "Receiver", "Segment",
+    "Sender", "VersionError", "abstract_sync_state", "apply", "bits_digest", "diff", "make_plan",
+    "sync_state",
 ]

@@ -170,7 +170,8 @@ for step, tree in enumerate(trees):
 def test_save_killed_before_commit_leaves_last_complete_step_restorable(tmp_path, crash_step):
   root = Path(__file__).resolve().parents[1]
   proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), str(crash_step),
-                         "before-commit", "8"], cwd=root, capture_output=True, text=True, timeout=300)
+                         "before-commit", "8"], cwd=root, capture_output=True, text=True,
+                        timeout=300)
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
   assert proc.stdout.split() [-1] == str(crash_step - 1)
   leftovers = [p.name for p in tmp_path.iterdir() if "tmp" in p.name]

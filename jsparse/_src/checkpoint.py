@@ -80,8 +80,9 @@ def _payload_from_arrays(plan: Plan, meta: dict, arrays: dict) -> wire.Payload:
       positions = positions.astype(np.int32) if count else np.zeros(0, np.int32)
       gap_at += count
     segments.append(wire.SegmentPayload(mode, positions, part_values))
-  return wire.Payload(wire.DELTA, meta["parent"], meta["step"], bytes.fromhex(meta["parent_digest"]),
-                      bytes.fromhex(meta["digest"]), tuple(segments), wire.COMPACT)
+  return wire.Payload(wire.DELTA, meta["parent"], meta["step"],
+                      bytes.fromhex(meta["parent_digest"]), bytes.fromhex(meta["digest"]),
+                      tuple(segments), wire.COMPACT)
 
 
 def _delta_target(plan: Plan, meta: dict) -> dict[str, Any]:
@@ -197,8 +198,7 @@ class DeltaCheckpointManager:
     if force_base or sender is None or chain_length > self.rebase_every:
       sender = Sender(self.plan, params, version=step, ranked=False)
       meta = {"kind": "base", "base": step, "parent": None, "changed": self.plan.num_elements}
-      item = ocp.args.StandardSave(sender.snapshot)
-      args = ocp.args.Composite(params=item, meta=ocp.args.JsonSave(self._meta_of(step, meta, sender)))
+      items = {"params": ocp.args.StandardSave(sender.snapshot)}
     else:
       payload = sender.payload(params, version=step)
       meta = {"kind": "delta", "base": self.meta(payload.base_version)["base"],
@@ -206,11 +206,12 @@ class DeltaCheckpointManager:
               "modes": [_MODES[p.mode] for p in payload.segments],
               "counts": [0 if p.mode == wire.DENSE else len(p.indices) for p in payload.segments],
               "changed": sender.last_stats["changed"]}
-      item = ocp.args.StandardSave(payload_arrays(self.plan, payload))
-      args = ocp.args.Composite(delta=item, meta=ocp.args.JsonSave(self._meta_of(step, meta, sender)))
-    self._manager.save(step, args=args, force=True)
+      items = {"delta": ocp.args.StandardSave(payload_arrays(self.plan, payload))}
+    meta = self._meta_of(step, meta, sender)
+    self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items),
+                       force=True)
     self._manager.wait_until_finished()
-    self._meta[step] = self._meta_of(step, meta, sender)
+    self._meta[step] = meta
     self._sender = sender
     self._apply_retention()
     return {"step": step, "kind": meta["kind"], "changed": meta["changed"],
@@ -241,7 +242,8 @@ class DeltaCheckpointManager:
     self._check_digest(steps[0], receiver)
     for s in steps[1:]:
       meta = self.meta(s)
-      arrays = self._restore_item(s, "delta", ocp.args.StandardRestore(_delta_target(self.plan, meta)))
+      target = ocp.args.StandardRestore(_delta_target(self.plan, meta))
+      arrays = self._restore_item(s, "delta", target)
       try:
         payload = _payload_from_arrays(self.plan, meta, arrays)
         payload = wire.decode(self.plan, wire.encode(self.plan, payload))  # validates it all

@@ -169,8 +169,8 @@ def decode_body(plan: Plan, reader, segment_payload: type) -> tuple:
   segments, at = [], 0
   for s, (seg, (mode, count)) in enumerate(zip(plan.segments, records)):
     if mode == DENSE:
-      dense = np.frombuffer(reader.take(count * seg.bit_dtype.itemsize, plan.describe_segment(s)),
-                            seg.bit_dtype.newbyteorder("<"))
+      raw = reader.take(count * seg.bit_dtype.itemsize, plan.describe_segment(s))
+      dense = np.frombuffer(raw, seg.bit_dtype.newbyteorder("<"))
       segments.append(segment_payload(DENSE, None, dense.astype(seg.bit_dtype)))
       continue
     if mode == EMPTY:
@@ -189,6 +189,7 @@ def _check_sparse(plan: Plan, s: int, seg: Segment, mode: int, keys: np.ndarray,
                   codes: np.ndarray) -> None:
   if keys[-1] >= seg.size:
     kind = "rank" if mode == ORDERED else "position"
-    raise PayloadError(f"{plan.describe_segment(s)}: {kind} {keys[-1]} out of range (size {seg.size})")
+    raise PayloadError(f"{plan.describe_segment(s)}: {kind} {keys[-1]} out of range "
+                       f"(size {seg.size})")
   if codes.max() > np.iinfo(seg.bit_dtype).max:
     raise PayloadError(f"{plan.describe_segment(s)}: a step code wider than {seg.bit_dtype}")

@@ -155,9 +155,13 @@ def receiver_layouts(plan: Plan, flat: list) -> tuple[Layout | None, ...]:
                for x, leaf in zip(flat, plan.leaves))
 
 
-def _step_decoder(dtype: np.dtype) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """``(old bits, step codes) -> new bits`` for a segment of ``dtype``."""
-  return lambda old, codes: apply_step_codes(old, codes.astype(old.dtype), dtype, jnp)
+def _step_decoder(dtype: np.dtype) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+  """``(flat leaf, positions, step codes) -> new bits at the positions``, for ``dtype`` codes:
+  gathers the old bits (positions out of range: any valid one, its result is dropped)."""
+  def decode(flat: jax.Array, positions: jax.Array, codes: jax.Array) -> jax.Array:
+    old = bits_lib.gather_bits(flat, jnp.minimum(positions, flat.shape[0] - 1))
+    return apply_step_codes(old, codes.astype(old.dtype), dtype, jnp)
+  return decode
 
 
 def _apply_leaf(leaf: LeafSpec, layout: Layout | None, base: jax.Array, idx: jax.Array,
@@ -168,7 +172,7 @@ def _apply_leaf(leaf: LeafSpec, layout: Layout | None, base: jax.Array, idx: jax
     return apply_blocks(layout, leaf.shape, base, idx, vals, decode)
   flat = jnp.asarray(base).reshape(-1)
   if decode is not None:
-    vals = decode(bits_lib.gather_bits(flat, jnp.minimum(idx, leaf.size - 1)), vals)
+    vals = decode(flat, idx, vals)
   return bits_lib.scatter_bits(flat, idx, vals).reshape(leaf.shape)
 
 
@@ -187,7 +191,7 @@ def apply_flat(plan: Plan, layouts: tuple[Layout | None, ...], base: list, delta
     elif all(layouts[i] is None for i in seg.leaf_ids):  # small leaves: one scatter for the pool
       bits = segment_bits(plan, seg, base)
       if decode is not None:
-        vals = decode(bits[jnp.minimum(idx, seg.size - 1)], vals)
+        vals = decode(bits, idx, vals)
       merged = bits.at[idx].set(vals, mode="drop")
       for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
         leaf = plan.leaves[leaf_id]

@@ -3,8 +3,9 @@
 Each element's bits are mixed with its position and its leaf's index through a murmur3-style
 finalizer, and the mixed words are summed (mod 2**32) twice with different constants: one
 streaming pass giving 64 bits. Both sums are one variadic ``lax.reduce``: on XLA:CPU that is
-about 10x faster than two ``jnp.sum`` (21M elements: 6 ms against 59 ms, measured). It detects any difference in any bit of any
-element with overwhelming probability; it is not a cryptographic hash.
+about 10x faster than two ``jnp.sum`` (21M elements: 6 ms against 59 ms, measured).
+It detects any difference in any bit of any element with overwhelming probability; it is not
+a cryptographic hash.
 
 >>> import jax.numpy as jnp
 >>> a = bits_digest([jnp.array([0.0], jnp.float32)])

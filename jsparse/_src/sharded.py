@@ -134,7 +134,7 @@ def apply_blocks(layout: Layout, shape: tuple[int, ...], base: jax.Array, indice
                  values: jax.Array, decode: Callable | None = None) -> jax.Array:
   """Scatters (global flat index, bits) pairs into a block-sharded leaf, each device keeping only
   the pairs inside its own block. ``indices`` and ``values`` are replicated. With ``decode``,
-  ``values`` are codes: ``decode(old bits at the positions, values)`` gives the bits."""
+  ``values`` are codes: ``decode(block, local positions, values)`` gives the bits."""
   size = math.prod(shape)
   block = layout.block_shape(shape)
   block_size = math.prod(block)
@@ -149,7 +149,7 @@ def apply_blocks(layout: Layout, shape: tuple[int, ...], base: jax.Array, indice
                            block_size)
     flat = base_block.reshape(-1)
     if decode is not None:
-      vals = decode(bits_lib.gather_bits(flat, jnp.minimum(local_flat, block_size - 1)), vals)
+      vals = decode(flat, local_flat, vals)
     return bits_lib.scatter_bits(flat, local_flat, vals).reshape(block)
 
   return layout.shard_map(local, (layout.spec, PartitionSpec(), PartitionSpec()),

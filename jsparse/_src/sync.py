@@ -112,7 +112,7 @@ class Sender:
 
   @classmethod
   def restore(cls, plan: Plan, state: dict[str, Any], *, anchor_every: int | None = None,
-              wire_format: int = wire.COMPACT) -> "Sender":
+              wire_format: int = wire.COMPACT, ranked: bool = True) -> "Sender":
     """A sender that resumes from ``state`` (from :meth:`state`, e.g. restored by Orbax).
 
     Raises:
@@ -121,7 +121,7 @@ class Sender:
     """
     version, digest, params = check_state(plan, state, rollout_only=False)
     sender = cls(plan, params, version=version, anchor_every=anchor_every,
-                 wire_format=wire_format)
+                 wire_format=wire_format, ranked=ranked)
     check_digest(sender._digest, digest, version)
     return sender
 
@@ -185,9 +185,9 @@ class Receiver:
   validated in full before anything is written (checksum, structure, versions, the base
   digest); the digest of the result is checked after. A payload that fails that last check
   (it passed the checksum, so it was built wrong, not damaged in transit) leaves a
-  non-donating receiver unchanged, and a donating one out of sync until an anchor. Each leaf keeps the
-  sharding of the array it was given; a leaf split into blocks over a mesh is updated block by
-  block, each device keeping only the changes inside its own block.
+  non-donating receiver unchanged, and a donating one out of sync until an anchor. Each leaf
+  keeps the sharding of the array it was given; a leaf split into blocks over a mesh is updated
+  block by block, each device keeping only the changes inside its own block.
 
   Args:
     plan: the sender's plan.
@@ -261,13 +261,13 @@ class Receiver:
     if len(dense) == len(plan.segments):
       digest = sync_steps.digest(flat, self._layouts)
     elif payload.format == wire.COMPACT:
-      keys, codes, counts = self._padded(payload, fit_to_changes=True)
+      keys, codes, counts = self._padded(payload)
       ranked = compact.ranked_segments(plan, [p.mode for p in payload.segments])
       indices = sync_steps.positions(plan, ranked, flat, keys, counts)
       flat, digest = sync_steps.apply_steps[self._donate](plan, self._layouts, flat, indices,
                                                           codes, counts)
     else:
-      keys, values, counts = self._padded(payload, fit_to_changes=True)
+      keys, values, counts = self._padded(payload)
       delta = Delta(keys, values, counts, np.zeros(counts.shape, bool))
       flat, digest = sync_steps.apply_bits[self._donate](plan, self._layouts, flat, delta)
     if digest_bytes(digest) != payload.new_digest:
@@ -284,15 +284,13 @@ class Receiver:
     self.version, self._digest = payload.version, payload.new_digest
     return self.params
 
-  def _padded(self, payload: wire.Payload,
-              fit_to_changes: bool = False) -> tuple[tuple, tuple, np.ndarray]:
+  def _padded(self, payload: wire.Payload) -> tuple[tuple, tuple, np.ndarray]:
     """Per segment: keys (positions or ranks; the segment size where unused) and values padded
-    to the capacity (or to :func:`sync_steps.slots_needed`), and the counts (0 for dense
-    segments, which are written already)."""
+    to :func:`sync_steps.slots_needed`, and the counts (0 for dense segments, which are written
+    already)."""
     counts = np.array([0 if p.mode == wire.DENSE else len(p.indices) for p in payload.segments],
                       np.int32)
-    slots = (sync_steps.slots_needed(self.plan, counts) if fit_to_changes
-             else [seg.capacity for seg in self.plan.segments])
+    slots = sync_steps.slots_needed(self.plan, counts)
     indices, values = [], []
     for seg, part, n, count in zip(self.plan.segments, payload.segments, slots, counts):
       idx = np.full(n, seg.size, np.int32)

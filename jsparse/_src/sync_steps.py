@@ -1,8 +1,10 @@
 """The jitted device programs of :class:`~jsparse.Sender` and :class:`~jsparse.Receiver`.
 
-One program per side and step, with the plan (and the receiver's block layouts) static, so each
-compiles once: the sender diffs, takes the next snapshot and digests it; the receiver turns a
-decoded payload into positions and bits, applies it (in place when donated) and digests.
+The plan (and the receiver's block layouts) are static: the sender's diff step and the digest
+compile once per plan; the per-change programs (ranks, positions, the receiver's apply) take
+slots sized to the step's changes and compile at most 4 variants (:func:`slots_needed`). The
+sender diffs, takes the next snapshot and digests it; the receiver turns a decoded payload into
+positions and bits, applies it (in place when donated) and digests.
 """
 
 from __future__ import annotations

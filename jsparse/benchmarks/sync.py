@@ -202,9 +202,9 @@ def _jsparse(plan, before, after, repeats, wire_format):
   row["host_encode"] = _best(encode_host, repeats=repeats)
   receiver = fresh_receiver()[0]
   row["host_decode"] = _best(
-      lambda: receiver._padded(wire.decode(plan, data), fit_to_changes=True), repeats=repeats)
+      lambda: receiver._padded(wire.decode(plan, data)), repeats=repeats)
   payload = wire.decode(plan, data)
-  keys, values, counts = receiver._padded(payload, fit_to_changes=True)
+  keys, values, counts = receiver._padded(payload)
   ranked = compact_format.ranked_segments(plan, [p.mode for p in payload.segments])
   layouts = receiver_layouts(plan, jax.tree.leaves(snapshot))
   if compact:
