@@ -1,5 +1,10 @@
 """jsparse: lossless sparse weight synchronization for JAX.
 
+The data flow, one module each (``jsparse/_src/``)::
+
+  make_plan ─► Plan ─► diff (jit) ─► Delta ─► Sender: records ─► bytes ─► Receiver ─► apply (jit)
+  core/plan.py          core/delta.py         sync/sender.py   wire/    sync/receiver.py
+
 >>> import jax.numpy as jnp, jsparse
 >>> plan = jsparse.make_plan({'w': jnp.zeros((4,))}, rollout_dtype=jnp.bfloat16)
 >>> delta = jsparse.diff(plan, {'w': jnp.zeros((4,))}, {'w': jnp.ones((4,))})
@@ -7,20 +12,33 @@
 [4]
 """
 
-from jsparse._src.checkpoint import DeltaCheckpointManager
-from jsparse._src.delta import Delta, apply, diff
-from jsparse._src.digest import bits_digest
-from jsparse._src.errors import (CheckpointError, IntegrityError, JsparseError, PayloadError,
-                                 PlanError, PlanMismatchError, VersionError)
-from jsparse._src.plan import LeafSpec, Plan, Segment, make_plan
-from jsparse._src.sync import Receiver, Sender
-from jsparse._src.sync_state import abstract_sync_state, sync_state
+from typing import Any
+
+from jsparse._src.core.delta import Delta, apply, diff
+from jsparse._src.core.digest import bits_digest
+from jsparse._src.core.plan import LeafSpec, Plan, Segment, make_plan
+from jsparse._src.errors import (CheckpointError, ConfigError, IntegrityError, JsparseError,
+                                 PayloadError, PlanError, PlanMismatchError, VersionError)
+from jsparse._src.sync.receiver import Receiver
+from jsparse._src.sync.sender import SendStats, Sender
+from jsparse._src.sync.state import SyncState, abstract_sync_state
+from jsparse._src.wire.payload import Coding
 
 __version__ = "0.1.0"
 
+_LAZY = {"DeltaCheckpointManager", "SaveInfo"}  # Orbax is imported on first use only
+
+
+def __getattr__(name: str) -> Any:
+  if name in _LAZY:
+    from jsparse._src import checkpoint
+    return getattr(checkpoint, name)
+  raise AttributeError(f"module 'jsparse' has no attribute {name!r}")
+
+
 __all__ = [
-    "CheckpointError", "Delta", "DeltaCheckpointManager", "IntegrityError", "JsparseError",
-    "LeafSpec", "PayloadError", "Plan", "PlanError", "PlanMismatchError", "Receiver", "Segment",
-    "Sender", "VersionError", "abstract_sync_state", "apply", "bits_digest", "diff", "make_plan",
-    "sync_state",
+    "CheckpointError", "Coding", "ConfigError", "Delta", "DeltaCheckpointManager",
+    "IntegrityError", "JsparseError", "LeafSpec", "PayloadError", "Plan", "PlanError",
+    "PlanMismatchError", "Receiver", "SaveInfo", "Segment", "SendStats", "Sender", "SyncState",
+    "VersionError", "abstract_sync_state", "apply", "bits_digest", "diff", "make_plan",
 ]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse._src import bits as bits_lib
+from jsparse._src.core import bits as bits_lib
 
 
 def _host_bits(tree: Any) -> list[tuple[str, np.ndarray]]:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from jsparse._src import bits as bits_lib
+from jsparse._src.core import bits as bits_lib
 from jsparse.testing import special_values
 
 FLOAT_DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2]

@@ -2,10 +2,10 @@
 
 Every step is an ordinary Orbax checkpoint, written by ``ocp.CheckpointManager`` with its atomic
 commit: a *base* step holds the full tree in rollout dtypes (``params``), a *delta* step holds
-only what changed since the step before it (``delta``: plain arrays of a compact
-:class:`~jsparse.Sender` payload that names changes by position, so that any target sharding
-can apply it block by block: position gaps and step codes, which Orbax's compression shrinks
-to ~1.5 bytes per change). Both carry a small JSON ``meta`` item: the step the delta
+only what changed since the step before it (``delta``: plain arrays of a
+:class:`~jsparse.Sender` payload coded ``"positioned"``, so that any target sharding can apply
+it block by block: position gaps and ulp codes, which Orbax's compression shrinks to ~1.5 bytes
+per change). Both carry a small JSON ``meta`` item: the step the delta
 applies to, the chain's base, the plan fingerprint and the 64-bit digest of the bit patterns
 after the step. Restoring step ``s`` restores its base onto the shardings asked for, then applies
 the deltas in order, checking every digest, so a restore is bit-exact or an error that names the
@@ -28,31 +28,51 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jsparse._src import wire
+from jsparse._src.core.plan import Plan
 from jsparse._src.errors import CheckpointError, JsparseError
-from jsparse._src.plan import Plan
-from jsparse._src.sync import Receiver, Sender
+from jsparse._src.options import int_option
+from jsparse._src.pytree import PyTree
+from jsparse._src.sync.receiver import Receiver
+from jsparse._src.sync.sender import Sender
+from jsparse._src.sync.state import digest_bytes
+from jsparse._src.wire.payload import (Coding, Format, Kind, Mode, Payload, SegmentPayload,
+                                       check_records)
 
-PyTree = Any
 _FORMAT = 2
-_MODES = {wire.EMPTY: "empty", wire.NATURAL: "steps", wire.DENSE: "dense"}
+_MODES = {Mode.EMPTY: "empty", Mode.BY_POSITION: "sparse", Mode.DENSE: "dense"}
 _MODE_IDS = {v: k for k, v in _MODES.items()}
 
 
-def payload_arrays(plan: Plan, payload: wire.Payload) -> dict[str, Any]:
+class SaveInfo(NamedTuple):
+  """What :meth:`DeltaCheckpointManager.save` wrote.
+
+  Attributes:
+    step: the saved step.
+    kind: ``"base"`` (the full tree) or ``"delta"`` (the changes since the step before).
+    changed: elements that changed since the step before (a base: every element).
+    bytes: the step's bytes on disk.
+  """
+
+  step: int
+  kind: str
+  changed: int
+  bytes: int
+
+
+def payload_arrays(plan: Plan, payload: Payload) -> dict[str, Any]:
   """A position-coded compact payload as plain arrays: ``gaps`` (int32: per sparse segment, the
   first position, then each position minus the previous one minus 1; small numbers that Orbax's
-  compression shrinks) and ``values`` (one array per bit dtype, in segment order: step codes of
+  compression shrinks) and ``values`` (one array per bit dtype, in segment order: ulp codes of
   sparse segments, bits of dense ones). Each array ends with one padding element: Orbax refuses
   zero-size arrays."""
   gaps = [np.diff(p.indices.astype(np.int64), prepend=-1).astype(np.int32) - 1
-          for p in payload.segments if p.mode == wire.NATURAL]
+          for p in payload.segments if p.mode == Mode.BY_POSITION]
   values: dict[str, list[np.ndarray]] = {}
   for seg, part in zip(plan.segments, payload.segments):
     values.setdefault(seg.bit_dtype.name, []).append(np.asarray(part.values, seg.bit_dtype))
@@ -61,7 +81,7 @@ def payload_arrays(plan: Plan, payload: wire.Payload) -> dict[str, Any]:
           "values": {name: pad(parts, np.dtype(name)) for name, parts in values.items()}}
 
 
-def _payload_from_arrays(plan: Plan, meta: dict, arrays: dict) -> wire.Payload:
+def _payload_from_arrays(plan: Plan, meta: dict, arrays: dict) -> Payload:
   """Inverse of :func:`payload_arrays`, given the modes and counts kept in ``meta``."""
   gaps, values = arrays["gaps"], arrays["values"]
   if np.any(gaps < 0):
@@ -70,19 +90,18 @@ def _payload_from_arrays(plan: Plan, meta: dict, arrays: dict) -> wire.Payload:
   segments = []
   for seg, mode_name, count in zip(plan.segments, meta["modes"], meta["counts"]):
     mode = _MODE_IDS[mode_name]
-    count = seg.size if mode == wire.DENSE else int(count)
+    count = seg.size if mode == Mode.DENSE else int(count)
     name = seg.bit_dtype.name
     part_values = values[name][value_at[name]:value_at[name] + count]
     value_at[name] += count
     positions = None
-    if mode != wire.DENSE:
+    if mode != Mode.DENSE:
       positions = (np.cumsum(gaps[gap_at:gap_at + count].astype(np.int64) + 1) - 1)
       positions = positions.astype(np.int32) if count else np.zeros(0, np.int32)
       gap_at += count
-    segments.append(wire.SegmentPayload(mode, positions, part_values))
-  return wire.Payload(wire.DELTA, meta["parent"], meta["step"],
-                      bytes.fromhex(meta["parent_digest"]), bytes.fromhex(meta["digest"]),
-                      tuple(segments), wire.COMPACT)
+    segments.append(SegmentPayload(mode, positions, part_values))
+  return Payload(Kind.DELTA, meta["parent"], meta["step"], bytes.fromhex(meta["parent_digest"]),
+                 bytes.fromhex(meta["digest"]), tuple(segments), Format.COMPACT)
 
 
 def _delta_target(plan: Plan, meta: dict) -> dict[str, Any]:
@@ -108,18 +127,25 @@ class DeltaCheckpointManager:
 
   Saves are synchronous: ``save`` returns once the step is committed. A manager reopened on an
   existing directory continues the newest chain (it restores the newest step to diff against).
+
+  Raises:
+    ConfigError: a bad ``rebase_every`` or ``max_to_keep``.
+
+  >>> import tempfile, jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, rollout_dtype=jnp.bfloat16)
+  >>> with jsparse.DeltaCheckpointManager(tempfile.mkdtemp(), plan, rebase_every=2) as chain:
+  ...   infos = [chain.save(step, {'w': jnp.full(1000, step, jnp.float32)}) for step in range(4)]
+  ...   restored = chain.restore(2)
+  >>> [info.kind for info in infos], float(restored['w'][0])
+  (['base', 'delta', 'delta', 'base'], 2.0)
   """
 
   def __init__(self, directory: str | os.PathLike, plan: Plan, *, rebase_every: int = 10,
                max_to_keep: int | None = None):
-    if not isinstance(rebase_every, int) or rebase_every < 0:
-      raise ValueError(f"rebase_every must be an int >= 0, got {rebase_every!r}")
-    if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-      raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+    self.rebase_every = int_option("rebase_every", rebase_every, minimum=0)
+    self.max_to_keep = int_option("max_to_keep", max_to_keep, minimum=1, optional=True)
     self.directory = Path(directory)
     self.plan = plan
-    self.rebase_every = rebase_every
-    self.max_to_keep = max_to_keep
     self._manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(
             enable_async_checkpointing=False, create=True))
@@ -183,20 +209,25 @@ class DeltaCheckpointManager:
       steps.append(parent)
     return steps[::-1]
 
-  def save(self, step: int, params: PyTree, *, force_base: bool = False) -> dict[str, Any]:
+  def save(self, step: int, params: PyTree, *, force_base: bool = False) -> SaveInfo:
     """Saves ``params`` (trainer or rollout dtypes) as ``step``, newer than every saved step.
 
     Returns:
-      ``kind`` ("base" or "delta"), ``changed`` elements, ``bytes`` on disk.
+      A :class:`SaveInfo`: the kind of step written, the changed elements, the bytes on disk.
+
+    Raises:
+      CheckpointError: ``step`` is not newer than the latest saved step.
+      PlanMismatchError: ``params`` do not match the plan (the leaf is named).
     """
+    step = int_option("step", step, minimum=0)
     latest = self.latest_step()
     if latest is not None and step <= latest:
-      raise ValueError(f"step {step} must be newer than the latest saved step {latest}")
+      raise CheckpointError(f"step {step} must be newer than the latest saved step {latest}")
     sender = self._resume(params) if self._sender is None else self._sender
     self._sender = None  # until this step is committed
     chain_length = len(self.chain(sender.version)) if sender is not None else 0
     if force_base or sender is None or chain_length > self.rebase_every:
-      sender = Sender(self.plan, params, version=step, ranked=False)
+      sender = Sender(self.plan, params, version=step, coding=Coding.POSITIONED)
       meta = {"kind": "base", "base": step, "parent": None, "changed": self.plan.num_elements}
       items = {"params": ocp.args.StandardSave(sender.snapshot)}
     else:
@@ -204,8 +235,8 @@ class DeltaCheckpointManager:
       meta = {"kind": "delta", "base": self.meta(payload.base_version)["base"],
               "parent": payload.base_version, "parent_digest": payload.base_digest.hex(),
               "modes": [_MODES[p.mode] for p in payload.segments],
-              "counts": [0 if p.mode == wire.DENSE else len(p.indices) for p in payload.segments],
-              "changed": sender.last_stats["changed"]}
+              "counts": [p.count for p in payload.segments],
+              "changed": sender.last_stats.changed}
       items = {"delta": ocp.args.StandardSave(payload_arrays(self.plan, payload))}
     meta = self._meta_of(step, meta, sender)
     self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items),
@@ -214,8 +245,7 @@ class DeltaCheckpointManager:
     self._meta[step] = meta
     self._sender = sender
     self._apply_retention()
-    return {"step": step, "kind": meta["kind"], "changed": meta["changed"],
-            "bytes": self.step_bytes(step)}
+    return SaveInfo(step, meta["kind"], meta["changed"], self.step_bytes(step))
 
   def restore(self, step: int | None = None, *, shardings: PyTree | None = None) -> PyTree:
     """Restores ``step`` (default: the newest) bit-exactly, in rollout dtypes.
@@ -245,9 +275,8 @@ class DeltaCheckpointManager:
       target = ocp.args.StandardRestore(_delta_target(self.plan, meta))
       arrays = self._restore_item(s, "delta", target)
       try:
-        payload = _payload_from_arrays(self.plan, meta, arrays)
-        payload = wire.decode(self.plan, wire.encode(self.plan, payload))  # validates it all
-        receiver.apply_payload(payload)
+        receiver.apply_payload(check_records(self.plan,
+                                             _payload_from_arrays(self.plan, meta, arrays)))
       except JsparseError as e:
         raise CheckpointError(f"step {s}: delta is corrupted ({e}); steps up to {s - 1} of "
                               "this chain are restorable") from e
@@ -261,12 +290,12 @@ class DeltaCheckpointManager:
                             f"({type(e).__name__}: {e})") from e
 
   def _check_digest(self, step: int, receiver: Receiver) -> None:
-    if receiver.state()["digest"].astype("<u4").tobytes().hex() != self.meta(step)["digest"]:
+    if digest_bytes(receiver.state().digest).hex() != self.meta(step)["digest"]:
       raise CheckpointError(f"step {step}: restored base does not match its digest (corrupted)")
 
   def _meta_of(self, step: int, meta: dict, sender: Sender) -> dict:
     return {"jsparse_chain": _FORMAT, "step": step, "plan": self.plan.fingerprint.hex(),
-            "digest": sender.state()["digest"].astype("<u4").tobytes().hex(), **meta}
+            "digest": digest_bytes(sender.state().digest).hex(), **meta}
 
   def _resume(self, params: PyTree) -> Sender | None:
     """A sender holding the newest step, restored where ``params`` live (None: start a base)."""
@@ -281,7 +310,7 @@ class DeltaCheckpointManager:
       logging.warning("jsparse: cannot continue the chain of step %d (%s); starting a base",
                       latest, e)
       return None
-    return Sender(self.plan, restored, version=latest, ranked=False)
+    return Sender(self.plan, restored, version=latest, coding=Coding.POSITIONED)
 
   def _apply_retention(self) -> None:
     if self.max_to_keep is None:

@@ -2,6 +2,10 @@
 
 Every error jsparse raises derives from :class:`JsparseError`, so callers can catch the whole
 family at once, and from the matching builtin (``ValueError`` ...), so generic handlers work too.
+
+>>> import jsparse
+>>> issubclass(jsparse.ConfigError, (jsparse.JsparseError, ValueError))
+True
 """
 
 from __future__ import annotations
@@ -11,8 +15,12 @@ class JsparseError(Exception):
   """Base class of every error raised by jsparse."""
 
 
+class ConfigError(JsparseError, ValueError):
+  """An option has a bad type or value (e.g. ``capacity=2.0``, ``anchor_every=True``)."""
+
+
 class PlanError(JsparseError, ValueError):
-  """A plan cannot be built from the given tree or options (e.g. a capacity out of range)."""
+  """A plan cannot be built from the given tree (an unsupported dtype, a leaf too large)."""
 
 
 class PlanMismatchError(JsparseError, ValueError):

@@ -1,4 +1,4 @@
-"""The exponent-class order of a segment: ranks of positions in it, and positions of ranks.
+"""Ranks in the exponent-class order of a segment: ranks of positions, and positions of ranks.
 
 Sort the elements of a flat segment by (exponent class of the old value, position): an element's
 *rank* is its index in that order. Both sides of a sync hold the old bits, so both can compute
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsparse._src.compaction import pack_words, rank_select
-from jsparse._src.ulp import NUM_CLASSES, exponent_class
+from jsparse._src.core.select import pack_words, rank_select
+from jsparse._src.wire.ulp_codes import NUM_CLASSES, exponent_class
 
 _WORD = 32
 _SUPERBLOCK_WORDS = 8

@@ -29,6 +29,11 @@ def is_supported_dtype(dtype: np.dtype) -> bool:
   return bool(is_numeric) and dtype.itemsize in _UINT_BY_BYTES
 
 
+def is_float(dtype: np.dtype) -> bool:
+  """Whether ``dtype`` is a floating dtype (bfloat16 and float8 included)."""
+  return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
+
+
 def bit_dtype(dtype: np.dtype) -> np.dtype:
   """The unsigned integer dtype that holds the bit pattern of ``dtype``."""
   return _UINT_BY_BYTES[np.dtype(dtype).itemsize]

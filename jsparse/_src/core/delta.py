@@ -20,20 +20,24 @@ shapes depend on the plan only.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse._src import bits as bits_lib
-from jsparse._src.compaction import changed_elements
+from jsparse._src.core import bits as bits_lib
+from jsparse._src.core.blocks import apply_blocks, diff_blocks
+from jsparse._src.core.layout import Layout
+from jsparse._src.core.plan import LeafSpec, Plan, Segment
+from jsparse._src.core.select import changed_elements
 from jsparse._src.errors import PlanMismatchError
-from jsparse._src.plan import LeafSpec, Plan, Segment
-from jsparse._src.sharded import Layout, apply_blocks, diff_blocks
-from jsparse._src.ulp import apply_step_codes
+from jsparse._src.pytree import PyTree
 
-PyTree = Any
+# ``(flat leaf or segment bits, positions, values) -> new bits at the positions``: how values
+# that are not bit patterns (e.g. codes relative to the old bits) become bits. Positions out of
+# range are skipped by the scatter; the decoder may return anything there.
+Decoder = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 class Delta(NamedTuple):
@@ -103,7 +107,7 @@ def diff_flat_with_old(plan: Plan, base: list, new: list) -> tuple[Delta, tuple[
 
 
 def diff_flat(plan: Plan, base: list, new: list) -> Delta:
-  """:func:`diff` on already flattened and checked leaves (used inside larger jitted steps)."""
+  """:func:`diff` on already flattened and checked leaves (used inside larger jitted programs)."""
   return diff_flat_with_old(plan, base, new)[0]
 
 
@@ -119,6 +123,17 @@ def diff(plan: Plan, base: PyTree, new: PyTree) -> Delta:
   Returns:
     A :class:`Delta`. If ``delta.overflow`` is false everywhere,
     ``apply(plan, plan.cast(base), delta)`` equals ``plan.cast(new)`` bit for bit.
+
+  Raises:
+    PlanMismatchError: ``base`` or ``new`` differs from the plan in structure, a leaf's shape or
+      dtype (the leaf is named).
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> old = {'w': jnp.zeros(1000)}
+  >>> plan = jsparse.make_plan(old, rollout_dtype=jnp.bfloat16, capacity=10, bucket_size=1000)
+  >>> delta = jsparse.diff(plan, old, {'w': old['w'].at[::50].set(1.0)})
+  >>> delta.counts.tolist(), delta.overflow.tolist(), delta.indices[0][:3].tolist()
+  ([20], [True], [0, 50, 100])
   """
   return diff_flat(plan, plan.flatten(base, what="base"), plan.flatten(new, what="new"))
 
@@ -148,26 +163,17 @@ def commit_leaves(flat: list) -> list[jax.Array]:
           else jax.device_put(x, jax.devices()[0]) for x in flat]
 
 
-def receiver_layouts(plan: Plan, flat: list) -> tuple[Layout | None, ...]:
-  """The block layout of each concrete rollout leaf (None for traced or unsplit leaves)."""
+def layouts_of(plan: Plan, flat: list) -> tuple[Layout | None, ...]:
+  """The block layout of each concrete leaf of ``flat`` (None for traced or unsplit leaves)."""
   return tuple(Layout.of(getattr(x, "sharding", None) if isinstance(x, jax.Array)
                          and not isinstance(x, jax.core.Tracer) else None, leaf.shape)
                for x, leaf in zip(flat, plan.leaves))
 
 
-def _step_decoder(dtype: np.dtype) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
-  """``(flat leaf, positions, step codes) -> new bits at the positions``, for ``dtype`` codes:
-  gathers the old bits (positions out of range: any valid one, its result is dropped)."""
-  def decode(flat: jax.Array, positions: jax.Array, codes: jax.Array) -> jax.Array:
-    old = bits_lib.gather_bits(flat, jnp.minimum(positions, flat.shape[0] - 1))
-    return apply_step_codes(old, codes.astype(old.dtype), dtype, jnp)
-  return decode
-
-
 def _apply_leaf(leaf: LeafSpec, layout: Layout | None, base: jax.Array, idx: jax.Array,
-                vals: jax.Array, decode: Callable | None) -> jax.Array:
-  """Scatters bits ``vals`` (or codes, with ``decode``) at flat positions ``idx`` (out of range:
-  skipped) into one leaf."""
+                vals: jax.Array, decode: Decoder | None) -> jax.Array:
+  """Scatters bits ``vals`` (or values ``decode`` turns into bits) at flat positions ``idx``
+  (out of range: skipped) into one leaf."""
   if layout is not None:
     return apply_blocks(layout, leaf.shape, base, idx, vals, decode)
   flat = jnp.asarray(base).reshape(-1)
@@ -176,14 +182,16 @@ def _apply_leaf(leaf: LeafSpec, layout: Layout | None, base: jax.Array, idx: jax
   return bits_lib.scatter_bits(flat, idx, vals).reshape(leaf.shape)
 
 
-def apply_flat(plan: Plan, layouts: tuple[Layout | None, ...], base: list, delta: Delta, *,
-               step_coded: bool = False) -> list[jax.Array]:
-  """:func:`apply` on already flattened and checked rollout leaves, each split into blocks as
-  ``layouts`` says (then every device scatters into its own block only). With ``step_coded``,
-  ``delta.values`` are step codes against the old bits (see ``ulp.py``), not new bits."""
+def apply_flat(plan: Plan, layouts: tuple[Layout | None, ...], base: list,
+               indices: Sequence[jax.Array], values: Sequence[jax.Array], *,
+               decoders: Callable[[Segment], Decoder] | None = None) -> list[jax.Array]:
+  """Writes, per segment, ``values`` at flat positions ``indices`` (out of range: skipped) into
+  already flattened and checked rollout leaves, each split into blocks as ``layouts`` says (then
+  every device scatters into its own block only). ``values`` are new bit patterns, or, with
+  ``decoders``, values that ``decoders(segment)`` turns into bits against the old ones."""
   out = list(base)
-  for seg, idx, vals in zip(plan.segments, delta.indices, delta.values):
-    decode = _step_decoder(seg.dtype) if step_coded else None
+  for seg, idx, vals in zip(plan.segments, indices, values):
+    decode = decoders(seg) if decoders is not None else None
     if not seg.pooled:
       leaf_id = seg.leaf_ids[0]
       out[leaf_id] = _apply_leaf(plan.leaves[leaf_id], layouts[leaf_id], base[leaf_id], idx, vals,
@@ -208,12 +216,19 @@ def apply_flat(plan: Plan, layouts: tuple[Layout | None, ...], base: list, delta
 
 def _apply_tree(plan: Plan, layouts: tuple, base: PyTree, delta: Delta) -> PyTree:
   check_delta(plan, delta)
-  flat = apply_flat(plan, layouts, plan.flatten(base, what="base", rollout_only=True), delta)
+  flat = apply_flat(plan, layouts, plan.flatten(base, what="base", rollout_only=True),
+                    delta.indices, delta.values)
   return jax.tree.unflatten(plan.treedef, flat)
 
 
-_apply_copying = jax.jit(_apply_tree, static_argnums=(0, 1))
-_apply_donating = jax.jit(_apply_tree, static_argnums=(0, 1), donate_argnums=2)
+_APPLY_PROGRAMS = {False: jax.jit(_apply_tree, static_argnums=(0, 1)),
+                   True: jax.jit(_apply_tree, static_argnums=(0, 1), donate_argnums=2)}
+
+
+def apply_program(donate: bool) -> Callable:
+  """The jitted program behind :func:`apply`: ``(plan, layouts, base, delta) -> tree``, with
+  ``plan`` and ``layouts`` (from :func:`layouts_of`) static. For compiled-memory analysis."""
+  return _APPLY_PROGRAMS[bool(donate)]
 
 
 def apply(plan: Plan, base: PyTree, delta: Delta, *, donate: bool = False) -> PyTree:
@@ -231,12 +246,23 @@ def apply(plan: Plan, base: PyTree, delta: Delta, *, donate: bool = False) -> Py
 
   Returns:
     The updated tree, in rollout dtypes, with the structure of the plan.
+
+  Raises:
+    PlanMismatchError: ``base`` is not in the plan's rollout dtypes and shapes, or ``delta``
+      has other shapes than the plan fixes (the leaf or segment is named).
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> old = {'w': jnp.zeros(4)}
+  >>> plan = jsparse.make_plan(old, rollout_dtype=jnp.bfloat16)
+  >>> delta = jsparse.diff(plan, old, {'w': jnp.array([0.0, 2.0, 0.0, -0.0])})
+  >>> jsparse.apply(plan, plan.cast(old), delta)['w'].tolist()
+  [0.0, 2.0, 0.0, -0.0]
   """
   flat = commit_leaves(plan.flatten(base, what="base", rollout_only=True))
-  layouts = receiver_layouts(plan, flat)
+  layouts = layouts_of(plan, flat)
   delta = _colocate(plan, delta, flat)
   base = jax.tree.unflatten(plan.treedef, flat)
-  return (_apply_donating if donate else _apply_copying)(plan, layouts, base, delta)
+  return apply_program(donate)(plan, layouts, base, delta)
 
 
 def _replicated_on(x: Any) -> Any:

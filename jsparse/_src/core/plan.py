@@ -25,18 +25,17 @@ import dataclasses
 import functools
 import hashlib
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse._src import bits as bits_lib
-from jsparse._src.errors import PlanError, PlanMismatchError
-from jsparse._src.sharded import Layout
-from jsparse._src.ulp import is_float
-
-PyTree = Any
+from jsparse._src.core import bits as bits_lib
+from jsparse._src.core.layout import Layout
+from jsparse._src.errors import ConfigError, PlanError, PlanMismatchError
+from jsparse._src.options import int_option
+from jsparse._src.pytree import PyTree
 RolloutDtype = Any  # None | dtype | Callable[[str, jax.ShapeDtypeStruct], dtype | None]
 
 MAX_SEGMENT_ELEMENTS = 2**31 - 1  # indices are int32 (jax without x64)
@@ -81,8 +80,8 @@ class Segment:
     dtype: the rollout dtype of every leaf in the segment.
     blocks: how many trainer blocks the (single, sharded) leaf has; each block has
       ``capacity // blocks`` slots.
-    ordered: whether the compact wire format names its changes by rank in the exponent-class
-      order (float leaves that neither side splits into blocks) rather than by position.
+    ordered: whether its changes can be named by rank in an order of the whole segment (float
+      leaves that neither side splits into blocks); otherwise they are named by position.
   """
 
   leaf_ids: tuple[int, ...]
@@ -105,7 +104,31 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Static, hashable description of a synchronized tree. Build it with :func:`make_plan`."""
+  """Static, hashable description of a synchronized tree. Build it with :func:`make_plan`.
+
+  ``diff``, ``apply``, ``Sender``, ``Receiver`` and ``DeltaCheckpointManager`` take the plan
+  as a static argument: everything with a shape is fixed by it, so each jitted program compiles
+  once per plan. Trainer and rollout must build the same plan (same tree, same options); every
+  payload carries its :attr:`fingerprint`, and a receiver with another plan refuses it.
+
+  Attributes:
+    treedef: the tree structure of the synchronized params.
+    leaves: one :class:`LeafSpec` per leaf, in ``jax.tree.flatten`` order.
+    segments: the :class:`Segment` s the leaves are grouped into (zero-size leaves belong to
+      none).
+    bucket_size: leaves smaller than this are pooled into shared segments.
+    fingerprint: 16 bytes identifying the plan's layout (payloads and checkpoints carry it).
+    num_elements: elements in the whole tree.
+    rollout_bytes: bytes of the tree in rollout dtypes (what a dense sync sends).
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros((2, 3)), 'step': jnp.int32(0)},
+  ...                          rollout_dtype=jnp.bfloat16)
+  >>> [(l.path, l.shape, l.rollout_dtype.name) for l in plan.leaves]
+  [("['step']", (), 'int32'), ("['w']", (2, 3), 'bfloat16')]
+  >>> plan.num_elements, plan.rollout_bytes, len(plan.fingerprint)
+  (7, 16, 16)
+  """
 
   treedef: Any
   leaves: tuple[LeafSpec, ...]
@@ -217,14 +240,15 @@ def _resolve_rollout_dtype(rollout_dtype: RolloutDtype, path: str,
 
 
 def _capacity(capacity: float | int, size: int, name: str) -> int:
-  if isinstance(capacity, bool) or not isinstance(capacity, (int, float, np.integer, np.floating)):
-    raise PlanError(f"{name} must be a fraction in (0, 1] or a positive count, got {capacity!r}")
+  if isinstance(capacity, (bool, np.bool_)) or not isinstance(
+      capacity, (int, float, np.integer, np.floating)):
+    raise ConfigError(f"{name} must be a fraction in (0, 1] or a positive count, got {capacity!r}")
   if isinstance(capacity, (int, np.integer)):
     if capacity < 1:
-      raise PlanError(f"{name} as a count must be >= 1, got {capacity}")
+      raise ConfigError(f"{name} as a count must be >= 1, got {capacity}")
     return min(size, int(capacity))
   if not 0.0 < capacity <= 1.0:
-    raise PlanError(f"{name} as a fraction must be in (0, 1], got {capacity}")
+    raise ConfigError(f"{name} as a fraction must be in (0, 1], got {capacity}")
   return min(size, max(1, math.ceil(capacity * size)))
 
 
@@ -255,10 +279,17 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
     A hashable :class:`Plan`.
 
   Raises:
-    PlanError: for an unsupported dtype, a leaf over 2**31 - 1 elements or a bad option.
+    PlanError: for an unsupported dtype, a typed PRNG key or a leaf over 2**31 - 1 elements
+      (named), or ``rollout_shardings`` with another structure.
+    ConfigError: for a bad ``capacity``, ``pooled_capacity`` or ``bucket_size``.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> params = {'w': jnp.zeros((512, 512)), 'b': jnp.zeros(512), 'scale': jnp.ones(512)}
+  >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.02)
+  >>> [(len(s.leaf_ids), s.size, s.capacity) for s in plan.segments]  # biases share a pool
+  [(1, 262144, 5243), (2, 1024, 1024)]
   """
-  if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-    raise PlanError(f"bucket_size must be a positive int, got {bucket_size!r}")
+  bucket_size = int_option("bucket_size", bucket_size, minimum=1)
   flat_with_path, treedef = jax.tree.flatten_with_path(tree)
   rollout_placements = [None] * len(flat_with_path)
   if rollout_shardings is not None:
@@ -302,7 +333,7 @@ def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity
     offsets = tuple(np.cumsum([0] + [leaves[i].size for i in pool[:-1]]).tolist())
     size = sum(leaves[i].size for i in pool)
     cap = capacity if len(pool) == 1 and size >= bucket_size else pooled_capacity
-    ordered = is_float(dtype) and not any(leaves[i].rollout_split for i in pool)
+    ordered = bits_lib.is_float(dtype) and not any(leaves[i].rollout_split for i in pool)
     segments.append(Segment(tuple(pool), offsets, size, _capacity(cap, size, "capacity"), dtype,
                             ordered=ordered))
 

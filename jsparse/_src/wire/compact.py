@@ -1,13 +1,13 @@
-"""The body of a compact (format 2) payload: changes as gap-coded keys and step codes, zstd'd.
+"""The body of a compact (format 2) payload: changes as gap-coded keys and ulp codes, zstd'd.
 
 Each sparse segment names its changes by *keys* in ascending order: ranks in the exponent-class
-order (mode ORDERED, see ``ordering.py``) or flat positions (mode NATURAL), and gives each change
-as a *step code* against the old bits (see ``ulp.py``). The body is::
+order (mode BY_RANK, see ``ranks.py``) or flat positions (mode BY_POSITION), and gives each
+change as an *ulp code* against the old bits (see ``ulp_codes.py``). The body is::
 
   segment table   per segment: mode u8 | count u32 (changes; DENSE: the segment size)
   gaps stream     every sparse segment's key gaps (first key, then key - previous key - 1),
                   LEB128 varints
-  steps stream    one byte per change: its zigzagged step code, 255 meaning "escaped"
+  codes stream    one byte per change: its zigzagged ulp code, 255 meaning "escaped"
   escapes stream  for each escaped change, zigzagged code - 255 as a varint
   dense           the DENSE segments' bit patterns, little-endian, uncompressed
 
@@ -28,20 +28,12 @@ from typing import Sequence
 import numpy as np
 import zstandard
 
-from jsparse._src import ulp
+from jsparse._src.core.plan import Plan
 from jsparse._src.errors import PayloadError
-from jsparse._src.plan import Plan, Segment
+from jsparse._src.wire import ulp_codes
+from jsparse._src.wire.payload import RECORD, Mode, SegmentPayload
+from jsparse._src.wire.reader import Reader
 
-EMPTY, DENSE, ORDERED, NATURAL = 0, 3, 4, 5
-
-
-def ranked_segments(plan: Plan, modes: Sequence[int]) -> tuple[bool, ...]:
-  """Which segments' keys are ranks, for a payload with these segment ``modes``: the ordered
-  segments, unless the payload names changes of an ordered segment by position (then none:
-  a payload does not mix the two)."""
-  by_position = any(m == NATURAL and seg.ordered for seg, m in zip(plan.segments, modes))
-  return tuple(seg.ordered and not by_position for seg in plan.segments)
-_RECORD = struct.Struct("<BI")
 _STREAM = struct.Struct("<II")
 _MAX_VARINT_BYTES = 5
 _ESCAPE = 255
@@ -92,21 +84,21 @@ def _pack_stream(raw: bytes) -> bytes:
   return _STREAM.pack(len(raw), len(packed)) + packed
 
 
-def encode_body(plan: Plan, segments: Sequence) -> bytes:
-  """The body bytes of ``segments`` (``wire.SegmentPayload`` in modes of this format)."""
-  table, gaps, steps, dense = [], [], [], []
+def encode_body(plan: Plan, segments: Sequence[SegmentPayload]) -> bytes:
+  """The body bytes of format-2 ``segments``."""
+  table, gaps, codes, dense = [], [], [], []
   for seg, part in zip(plan.segments, segments):
-    if part.mode == DENSE:
-      table.append(_RECORD.pack(DENSE, seg.size))
+    if part.mode == Mode.DENSE:
+      table.append(RECORD.pack(Mode.DENSE, seg.size))
       dense.append(np.ascontiguousarray(part.values, seg.bit_dtype.newbyteorder("<")).tobytes())
       continue
     keys = np.asarray(part.indices, np.int64)
-    table.append(_RECORD.pack(part.mode if len(keys) else EMPTY, len(keys)))
+    table.append(RECORD.pack(part.mode if len(keys) else Mode.EMPTY, len(keys)))
     if len(keys):
       gaps.append(np.diff(keys, prepend=-1) - 1)
-      steps.append(ulp.zigzag(np.asarray(part.values, seg.bit_dtype)).astype(np.int64))
+      codes.append(ulp_codes.zigzag(np.asarray(part.values, seg.bit_dtype)).astype(np.int64))
   gaps_all = np.concatenate(gaps) if gaps else np.zeros(0, np.int64)
-  zigzags = np.concatenate(steps) if steps else np.zeros(0, np.int64)
+  zigzags = np.concatenate(codes) if codes else np.zeros(0, np.int64)
   escaped = zigzags >= _ESCAPE
   return b"".join(table + [
       _pack_stream(varint_encode(gaps_all)),
@@ -114,7 +106,7 @@ def encode_body(plan: Plan, segments: Sequence) -> bytes:
       _pack_stream(varint_encode(zigzags[escaped] - _ESCAPE))] + dense)
 
 
-def _unpack_stream(reader, what: str, max_raw: int) -> bytes:
+def _unpack_stream(reader: Reader, what: str, max_raw: int) -> bytes:
   raw_len, packed_len = _STREAM.unpack(reader.take(_STREAM.size, f"{what} lengths"))
   if raw_len > max_raw:
     raise PayloadError(f"{what}: {raw_len} bytes announced, at most {max_raw} possible")
@@ -132,64 +124,60 @@ def _unpack_stream(reader, what: str, max_raw: int) -> bytes:
   return raw
 
 
-def decode_body(plan: Plan, reader, segment_payload: type) -> tuple:
-  """Parses a body into ``segment_payload`` records, checking everything against ``plan``."""
-  records = []
+def _segment_table(plan: Plan, reader: Reader) -> list[tuple[Mode, int]]:
+  """Each segment's (mode, count), the counts checked against the plan before any stream is
+  read (they bound every allocation that follows)."""
+  table = []
   for s, seg in enumerate(plan.segments):
     where = plan.describe_segment(s)
-    mode, count = _RECORD.unpack(reader.take(_RECORD.size, f"{where} record"))
-    if mode == DENSE and count != seg.size:
-      raise PayloadError(f"{where}: dense record of {count} elements, the plan has {seg.size}")
-    if mode == EMPTY and count:
-      raise PayloadError(f"{where}: empty record with count {count}")
-    if mode in (ORDERED, NATURAL) and not 0 < count <= seg.capacity:
-      raise PayloadError(f"{where}: {count} changes, the capacity is {seg.capacity}")
-    if mode == ORDERED and not seg.ordered:
-      raise PayloadError(f"{where}: ranks in exponent order for a segment without that order")
-    if mode not in (EMPTY, DENSE, ORDERED, NATURAL):
+    mode, count = RECORD.unpack(reader.take(RECORD.size, f"{where} record"))
+    if mode not in (Mode.EMPTY, Mode.DENSE, Mode.BY_RANK, Mode.BY_POSITION):
       raise PayloadError(f"{where}: unknown mode {mode}")
-    records.append((mode, count))
-  if any(m == ORDERED for m, _ in records) and any(
-      m == NATURAL and seg.ordered for seg, (m, _) in zip(plan.segments, records)):
-    raise PayloadError("a payload names changes by rank in some ordered segments and by "
-                       "position in others")
-  total = sum(count for mode, count in records if mode in (ORDERED, NATURAL))
+    expected = {Mode.DENSE: count == seg.size, Mode.EMPTY: count == 0}.get(
+        Mode(mode), 0 < count <= seg.capacity)
+    if not expected:
+      raise PayloadError(f"{where}: a {Mode(mode).name} record of {count} elements (segment "
+                         f"size {seg.size}, capacity {seg.capacity})")
+    table.append((Mode(mode), count))
+  return table
+
+
+def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
+  """Inverse of :func:`encode_body`. Lengths, counts and code widths are checked while parsing;
+  ``payload.check_records`` checks the rest."""
+  table = _segment_table(plan, reader)
+  total = sum(count for mode, count in table if mode not in (Mode.EMPTY, Mode.DENSE))
   gaps = varint_decode(_unpack_stream(reader, "gaps stream", _MAX_VARINT_BYTES * total),
                        total, "gaps stream", 2**31)
-  step_bytes = np.frombuffer(_unpack_stream(reader, "steps stream", total), np.uint8)
-  if len(step_bytes) != total:
-    raise PayloadError(f"steps stream: {len(step_bytes)} codes for {total} changes")
-  escaped = step_bytes == _ESCAPE
+  code_bytes = np.frombuffer(_unpack_stream(reader, "codes stream", total), np.uint8)
+  if len(code_bytes) != total:
+    raise PayloadError(f"codes stream: {len(code_bytes)} codes for {total} changes")
+  escaped = code_bytes == _ESCAPE
   num_escaped = int(escaped.sum())
   escapes = varint_decode(
       _unpack_stream(reader, "escapes stream", _MAX_VARINT_BYTES * num_escaped), num_escaped,
       "escapes stream", 2**32)
-  zigzags = step_bytes.astype(np.int64)
+  zigzags = code_bytes.astype(np.int64)
   zigzags[escaped] += escapes
   segments, at = [], 0
-  for s, (seg, (mode, count)) in enumerate(zip(plan.segments, records)):
-    if mode == DENSE:
-      raw = reader.take(count * seg.bit_dtype.itemsize, plan.describe_segment(s))
-      dense = np.frombuffer(raw, seg.bit_dtype.newbyteorder("<"))
-      segments.append(segment_payload(DENSE, None, dense.astype(seg.bit_dtype)))
+  for s, (seg, (mode, count)) in enumerate(zip(plan.segments, table)):
+    where = plan.describe_segment(s)
+    if mode == Mode.DENSE:
+      raw = reader.take(count * seg.bit_dtype.itemsize, where)
+      dense = np.frombuffer(raw, seg.bit_dtype.newbyteorder("<")).astype(seg.bit_dtype)
+      segments.append(SegmentPayload(Mode.DENSE, None, dense))
       continue
-    if mode == EMPTY:
-      segments.append(segment_payload(EMPTY, np.zeros(0, np.int32), np.zeros(0, seg.bit_dtype)))
+    if mode == Mode.EMPTY:
+      segments.append(SegmentPayload(Mode.EMPTY, np.zeros(0, np.int32),
+                                     np.zeros(0, seg.bit_dtype)))
       continue
     keys = np.cumsum(gaps[at:at + count] + 1) - 1
     codes = zigzags[at:at + count]
     at += count
-    _check_sparse(plan, s, seg, mode, keys, codes)
-    segments.append(segment_payload(mode, keys.astype(np.int32),
-                                    ulp.unzigzag(codes.astype(seg.bit_dtype))))
+    if keys[-1] >= seg.size:
+      raise PayloadError(f"{where}: key {keys[-1]} out of range (size {seg.size})")
+    if codes.max() > np.iinfo(seg.bit_dtype).max:
+      raise PayloadError(f"{where}: an ulp code wider than {seg.bit_dtype}")
+    segments.append(SegmentPayload(mode, keys.astype(np.int32),
+                                   ulp_codes.unzigzag(codes.astype(seg.bit_dtype))))
   return tuple(segments)
-
-
-def _check_sparse(plan: Plan, s: int, seg: Segment, mode: int, keys: np.ndarray,
-                  codes: np.ndarray) -> None:
-  if keys[-1] >= seg.size:
-    kind = "rank" if mode == ORDERED else "position"
-    raise PayloadError(f"{plan.describe_segment(s)}: {kind} {keys[-1]} out of range "
-                       f"(size {seg.size})")
-  if codes.max() > np.iinfo(seg.bit_dtype).max:
-    raise PayloadError(f"{plan.describe_segment(s)}: a step code wider than {seg.bit_dtype}")

@@ -1,4 +1,4 @@
-"""Static-capacity compaction of a change mask: the positions of the first ``capacity`` set bits.
+"""Selecting changes with a static capacity: the positions of the first ``capacity`` set bits.
 
 ``jnp.nonzero(mask, size=K)`` does a full-length cumsum and scatter; here the mask is packed into
 32-bit words in one fused pass, the prefix sum runs over the words only (n/32 elements), and each
@@ -6,7 +6,7 @@ of the K output slots finds its word by binary search and its bit by a 5-step ra
 the word. The cost is one streaming pass over the data plus O(K log n) small work.
 
 >>> import jax.numpy as jnp
->>> idx, count = changed_positions(jnp.array([0, 1, 1, 0, 1], bool), capacity=2)
+>>> idx, count = first_set_positions(jnp.array([0, 1, 1, 0, 1], bool), capacity=2)
 >>> idx.tolist(), int(count)
 ([1, 2], 3)
 """
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsparse._src import bits as bits_lib
+from jsparse._src.core import bits as bits_lib
 
 _WORD = 32
 
@@ -43,7 +43,7 @@ def rank_select(word: jax.Array, rank: jax.Array) -> jax.Array:
   return pos.astype(jnp.int32)
 
 
-def changed_positions(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+def first_set_positions(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
   """Returns the first ``capacity`` positions where the flat ``mask`` is true, and the true count.
 
   Slots past the count hold ``mask.size`` (out of range: scatter with ``mode='drop'`` skips
@@ -69,7 +69,7 @@ def changed_elements(base: jax.Array, new: jax.Array, rollout_dtype: np.dtype,
   and the number of changed elements."""
   size = new.shape[0]
   old_bits = bits_lib.to_bits(base.astype(rollout_dtype))
-  positions, count = changed_positions(old_bits != bits_lib.to_bits(new.astype(rollout_dtype)),
+  positions, count = first_set_positions(old_bits != bits_lib.to_bits(new.astype(rollout_dtype)),
                                        capacity)
   used, safe = positions < size, jnp.minimum(positions, size - 1)
   new_values = bits_lib.gather_rollout_bits(new, safe, rollout_dtype)

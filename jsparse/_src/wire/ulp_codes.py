@@ -1,23 +1,23 @@
-"""Values as steps from the old bits, and the exponent class that predicts whether a value moves.
+"""Values as ulp codes against the old bits, and the exponent class that predicts a change.
 
 Both sides of a sync hold the old bit patterns, so a new value can travel as the signed number of
-representable steps (ulps) it moved: ``order_key`` maps float bit patterns to unsigned integers
-in the order of the values (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), and a step
-code is the difference of two keys modulo ``2**width``. It decodes to the exact new bits for any
-pair of patterns (NaN payloads, -0.0 and infs included); most RL updates move 1-3 steps, so the
+representable values (ulps) it moved: ``order_key`` maps float bit patterns to unsigned integers
+in the order of the values (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), and an *ulp
+code* is the difference of two keys modulo ``2**width``. It decodes to the exact new bits for any
+pair of patterns (NaN payloads, -0.0 and infs included); most RL updates move 1-3 ulps, so the
 codes are small integers that compress well. Integer and bool leaves use their bits as keys.
 
 The *exponent class* of an old value (its exponent field, clipped into 16 classes) predicts
 whether it changes: an update of a given size crosses half an ulp far more often for small
-exponents. Positions ordered by class compress better (see ``ordering.py``).
+exponents. Positions ordered by class compress better (see ``ranks.py``).
 
 Every function takes the array module (``numpy`` on the host, ``jax.numpy`` on device).
 
 >>> import numpy as np
 >>> old = np.array([0x3F80, 0x8000], np.uint16)   # bf16 1.0 and -0.0
 >>> new = np.array([0x3F81, 0x0000], np.uint16)   # the next bf16 after 1.0, and +0.0
->>> codes = step_codes(old, new, _bf16(), np)
->>> zigzag(codes).tolist(), apply_step_codes(old, codes, _bf16(), np).tolist()
+>>> codes = ulp_codes(old, new, _bf16(), np)
+>>> zigzag(codes).tolist(), apply_ulp_codes(old, codes, _bf16(), np).tolist()
 ([2, 2], [16257, 0])
 """
 
@@ -25,21 +25,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jsparse._src import bits as bits_lib
+from jsparse._src.core import bits as bits_lib
+from jsparse._src.core.bits import is_float
+from jsparse._src.core.delta import Decoder
 
 NUM_CLASSES = 16
 
 
 def _bf16() -> np.dtype:
   return np.dtype(ml_dtypes.bfloat16)
-
-
-def is_float(dtype: np.dtype) -> bool:
-  return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
 
 
 def _sign(dtype: np.dtype) -> np.generic:
@@ -63,14 +62,24 @@ def from_order_key(key: Any, dtype: np.dtype, xp: Any) -> Any:
   return xp.where((key & sign) != 0, key ^ sign, ~key)
 
 
-def step_codes(old: Any, new: Any, dtype: np.dtype, xp: Any) -> Any:
+def ulp_codes(old: Any, new: Any, dtype: np.dtype, xp: Any) -> Any:
   """``key(new) - key(old)`` modulo ``2**width``, as unsigned ints of the bit width."""
   return order_key(new, dtype, xp) - order_key(old, dtype, xp)
 
 
-def apply_step_codes(old: Any, codes: Any, dtype: np.dtype, xp: Any) -> Any:
-  """The new bits: inverse of :func:`step_codes` given the old bits."""
+def apply_ulp_codes(old: Any, codes: Any, dtype: np.dtype, xp: Any) -> Any:
+  """The new bits: inverse of :func:`ulp_codes` given the old bits."""
   return from_order_key(order_key(old, dtype, xp) + codes, dtype, xp)
+
+
+def decoder(dtype: np.dtype) -> Decoder:
+  """The core's :data:`~jsparse._src.core.delta.Decoder` for ulp codes of ``dtype``: gathers the
+  old bits at the positions (out of range: any valid one, its result is dropped) and applies
+  the codes on device."""
+  def decode(flat: jax.Array, positions: jax.Array, codes: jax.Array) -> jax.Array:
+    old = bits_lib.gather_bits(flat, jnp.minimum(positions, flat.shape[0] - 1))
+    return apply_ulp_codes(old, codes.astype(old.dtype), dtype, jnp)
+  return decode
 
 
 def _signed(dtype: np.dtype) -> np.dtype:
@@ -78,7 +87,7 @@ def _signed(dtype: np.dtype) -> np.dtype:
 
 
 def zigzag(codes: np.ndarray) -> np.ndarray:
-  """Maps step codes (modular, read as signed) to unsigned ints, small magnitudes first:
+  """Maps ulp codes (modular, read as signed) to unsigned ints, small magnitudes first:
   0, -1, 1, -2, 2 ... become 0, 1, 2, 3, 4 ... (host only)."""
   signed = codes.view(_signed(codes.dtype))
   bits = 8 * codes.dtype.itemsize

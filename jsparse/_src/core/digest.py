@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jsparse._src import bits as bits_lib
-from jsparse._src.sharded import Layout, block_positions
+from jsparse._src.core import bits as bits_lib
+from jsparse._src.core.blocks import block_positions
+from jsparse._src.core.layout import Layout
 
 _SEEDS = ((0x9E3779B1, 0x85EBCA77), (0xC2B2AE3D, 0x27D4EB2F))
 

@@ -1,0 +1,33 @@
+"""Checks of user options, shared by every entry point: one message style, one error type.
+
+>>> int_option("anchor_every", 3, minimum=1, optional=True)
+3
+>>> int_option("anchor_every", True, minimum=1)
+Traceback (most recent call last):
+...
+jsparse._src.errors.ConfigError: anchor_every must be an int >= 1, got True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jsparse._src.errors import ConfigError
+
+
+def int_option(name: str, value: Any, *, minimum: int, optional: bool = False) -> Any:
+  """``value`` as an ``int`` (numpy integers accepted) of at least ``minimum``; None passes if
+  ``optional``. Bools are refused: ``True`` is not a count.
+
+  Raises:
+    ConfigError: naming the option and what was expected.
+  """
+  if value is None and optional:
+    return None
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+      or value < minimum:
+    allowed = " or None" if optional else ""
+    raise ConfigError(f"{name} must be an int >= {minimum}{allowed}, got {value!r}")
+  return int(value)

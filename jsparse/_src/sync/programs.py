@@ -1,0 +1,198 @@
+"""The jitted device programs of :class:`~jsparse.Sender` and :class:`~jsparse.Receiver`, and
+the host arrays they take.
+
+The plan (and the receiver's block layouts) are static: the sender's diff program and the
+digest compile once per plan; the per-change programs (ranks, positions, the receiver's apply)
+take slots sized to the payload's changes and compile at most 4 variants (:func:`slots_needed`).
+
+- Sender: :func:`sender_changes` diffs, takes the next snapshot and digests it (one program),
+  then ranks the changes of the ordered segments (a second, on slots sized to the changes).
+- Receiver: :func:`receiver_inputs` pads a decoded payload's records to those slots on the
+  host; :func:`apply_inputs` turns ranks into positions and applies bits or ulp codes (two
+  programs: fused into one, XLA:CPU ran them 2x slower), in place when donated, and digests.
+
+>>> import jax.numpy as jnp, jsparse
+>>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, capacity=0.1, bucket_size=1000)
+>>> slots_needed(plan, [3]), slots_needed(plan, [60]), slots_needed(plan, [100])
+((13,), (100,), (100,))
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse._src.core.delta import Delta, apply_flat, diff_flat_with_old, segment_bits
+from jsparse._src.core.digest import bits_digest
+from jsparse._src.core.plan import Plan, Segment
+from jsparse._src.wire import ranks as ranks_lib
+from jsparse._src.wire import ulp_codes
+from jsparse._src.wire.payload import Coding, Format, Payload, ranked_segments
+
+
+class DeviceChanges(NamedTuple):
+  """A sender's diff, on device.
+
+  Attributes:
+    delta: the :class:`~jsparse.Delta` (new bits at the changed positions).
+    old_values: per segment, the old bits at the delta's positions (for ulp codes).
+    ranks: per segment, the ranks of its first changes in the exponent-class order (None for
+      segments named by position); None when no segment is ranked.
+  """
+
+  delta: Delta
+  old_values: tuple
+  ranks: tuple | None
+
+
+class ReceiverInputs(NamedTuple):
+  """A decoded payload's sparse records as host arrays padded to :func:`slots_needed`.
+
+  Attributes:
+    keys: per segment, positions or ranks (the segment size in unused slots).
+    values: per segment, new bits or ulp codes (0 in unused slots).
+    counts: ``int32[segments]``: used slots (0 for dense records, written separately).
+    ranked: per segment, whether its keys are ranks (static).
+    coded: whether the values are ulp codes (format 2) or new bits (static).
+  """
+
+  keys: tuple
+  values: tuple
+  counts: np.ndarray
+  ranked: tuple[bool, ...]
+  coded: bool
+
+
+def cast_flat(plan: Plan, flat: list) -> list[jax.Array]:
+  return [jnp.asarray(x).astype(leaf.rollout_dtype) for x, leaf in zip(flat, plan.leaves)]
+
+
+def _trainer_layouts(plan: Plan) -> tuple:
+  return tuple(leaf.layout for leaf in plan.leaves)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def snapshot_and_digest(plan: Plan, flat: list) -> tuple[list[jax.Array], jax.Array]:
+  """The rollout-dtype snapshot of trainer leaves, and its digest."""
+  snapshot = cast_flat(plan, flat)
+  return snapshot, bits_digest(snapshot, _trainer_layouts(plan))
+
+
+def _tables(plan: Plan, seg: Segment, flat: list) -> ranks_lib.ClassTables:
+  return ranks_lib.class_tables(segment_bits(plan, seg, flat), seg.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
+def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list):
+  """(delta, old bits at its positions, class tables of the ordered segments (if ``ranked``;
+  for :func:`rank_program`), the next snapshot, its digest). The snapshot is donated."""
+  delta, old_values = diff_flat_with_old(plan, snapshot, new)
+  tables = tuple(_tables(plan, seg, snapshot) if ranked and seg.ordered else None
+                 for seg in plan.segments)
+  next_snapshot = cast_flat(plan, new)
+  return (delta, old_values, tables, next_snapshot,
+          bits_digest(next_snapshot, _trainer_layouts(plan)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def rank_program(plan: Plan, slots: tuple[int, ...], tables: tuple, positions: tuple,
+                 old_values: tuple) -> tuple:
+  """Ranks of the first ``slots[s]`` changes of each ordered segment (None for the others)."""
+  out = []
+  for seg, n, table, pos, old in zip(plan.segments, slots, tables, positions, old_values):
+    if table is None:
+      out.append(None)
+      continue
+    classes = ulp_codes.exponent_class(old[:n], seg.dtype, jnp)
+    out.append(ranks_lib.ranks_of(table, jnp.minimum(pos[:n], seg.size - 1), classes))
+  return tuple(out)
+
+
+def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ranks: bool = True
+                   ) -> tuple[DeviceChanges, list[jax.Array], jax.Array]:
+  """The sender's device stage: (its changes, the next snapshot, its digest). ``snapshot`` is
+  donated. ``ranks=False`` skips ranking (an anchor needs none)."""
+  delta, old_values, tables, next_snapshot, digest = diff_program(plan, coding.ranked, snapshot,
+                                                                  new)
+  ranks_out = None
+  if coding.ranked and ranks:  # ranks need only as many slots as this step's changes
+    slots = slots_needed(plan, np.asarray(delta.counts))
+    ranks_out = rank_program(plan, slots, tables, delta.indices, old_values)
+  return DeviceChanges(delta, old_values, ranks_out), next_snapshot, digest
+
+
+def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
+  """Per segment, how many slots a payload with ``counts`` changes is padded to: the capacity
+  halved up to 3 times while every segment still fits. Compiled shapes stay few (4 variants),
+  and the per-change work of a sparse payload follows its density rather than the capacity."""
+  for halvings in (3, 2, 1):
+    slots = tuple(-(-seg.capacity // 2**halvings) for seg in plan.segments)
+    if all(int(c) <= n for c, n in zip(counts, slots)):
+      return slots
+  return tuple(seg.capacity for seg in plan.segments)
+
+
+def receiver_inputs(plan: Plan, payload: Payload) -> ReceiverInputs:
+  """The sparse records of a decoded ``payload`` as :class:`ReceiverInputs`."""
+  counts = np.array([p.count for p in payload.segments], np.int32)
+  slots = slots_needed(plan, counts)
+  keys, values = [], []
+  for seg, part, n, count in zip(plan.segments, payload.segments, slots, counts):
+    key = np.full(n, seg.size, np.int32)
+    value = np.zeros(n, seg.bit_dtype)
+    if count:
+      key[:count], value[:count] = part.indices, part.values
+    keys.append(key)
+    values.append(value)
+  modes = [p.mode for p in payload.segments]
+  return ReceiverInputs(tuple(keys), tuple(values), counts, ranked_segments(plan, modes),
+                        payload.format == Format.COMPACT)
+
+
+def _positions(plan: Plan, ranked: tuple[bool, ...], flat: list, keys: tuple,
+               counts: jax.Array) -> tuple:
+  """The positions of the changes: ``keys`` are ranks (where ``ranked``) or positions; slots
+  past ``counts`` get the segment size (skipped)."""
+  indices = []
+  for s, (seg, key) in enumerate(zip(plan.segments, keys)):
+    used = jnp.arange(key.shape[0]) < counts[s]
+    if ranked[s]:
+      key = ranks_lib.positions_of(_tables(plan, seg, flat), jnp.where(used, key, 0))
+    indices.append(jnp.where(used, key, seg.size))
+  return tuple(indices)
+
+
+def _ulp_decoder(seg: Segment):
+  return ulp_codes.decoder(seg.dtype)
+
+
+def _apply(plan: Plan, layouts: tuple, coded: bool, flat: list, indices: tuple, values: tuple):
+  out = apply_flat(plan, layouts, flat, indices, values,
+                   decoders=_ulp_decoder if coded else None)
+  return out, bits_digest(out, layouts)
+
+
+positions_program = jax.jit(_positions, static_argnums=(0, 1))
+_APPLY_PROGRAMS = {donate: jax.jit(_apply, static_argnums=(0, 1, 2),
+                                   donate_argnums=(3,) if donate else ())
+                   for donate in (False, True)}
+digest_program = jax.jit(bits_digest, static_argnums=1)
+
+
+def apply_program(donate: bool):
+  """The receiver's jitted apply: ``(plan, layouts, coded, flat, indices, values) ->
+  (flat, digest)`` with the first three static; ``flat`` donated if ``donate``."""
+  return _APPLY_PROGRAMS[bool(donate)]
+
+
+def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs, *,
+                 donate: bool) -> tuple[list[jax.Array], jax.Array]:
+  """The receiver's device stage: (the updated leaves, their digest)."""
+  indices = inputs.keys
+  if inputs.coded:
+    indices = positions_program(plan, inputs.ranked, flat, inputs.keys, inputs.counts)
+  return apply_program(donate)(plan, layouts, inputs.coded, flat, indices, inputs.values)

@@ -1,0 +1,170 @@
+"""The rollout side of a sync: :class:`Receiver` applies payloads to its params.
+
+``receive`` decodes and validates the whole payload (``framing.decode``) before touching
+anything, then runs the stages of :meth:`Receiver.apply_payload`: check the base (versions,
+digest, layouts), write the dense records, pad the sparse ones into device inputs
+(``programs.receiver_inputs``), apply them in one device stage (``programs.apply_inputs``, in
+place when donated), and verify the digest of the result against the sender's.
+
+>>> import jax.numpy as jnp, jsparse
+>>> params = {'w': jnp.zeros((1000,), jnp.float32)}
+>>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+>>> sender = jsparse.Sender(plan, params)
+>>> receiver = jsparse.Receiver(plan, plan.cast(params))
+>>> data = sender.send({'w': params['w'].at[7].set(1.0)})
+>>> float(receiver.receive(data)['w'][7]), receiver.version
+(1.0, 1)
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jsparse._src.core import bits as bits_lib
+from jsparse._src.core.delta import commit_leaves, layouts_of
+from jsparse._src.core.plan import Plan
+from jsparse._src.errors import IntegrityError, PlanMismatchError, VersionError
+from jsparse._src.pytree import PyTree
+from jsparse._src.sync import programs
+from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
+                                     digest_bytes)
+from jsparse._src.wire import framing
+from jsparse._src.wire.payload import Kind, Mode, Payload
+
+
+class Receiver:
+  """Rollout side of a sync: applies payloads from a :class:`Sender` to its params.
+
+  The receiver owns ``params``: with ``donate=True`` (the default) each receive updates the
+  arrays in place, and arrays handed in earlier must not be used afterwards. Every payload is
+  validated in full before anything is written (checksum, structure, versions, the base
+  digest); the digest of the result is checked after. A payload that fails that last check
+  (it passed the checksum, so it was built wrong, not damaged in transit) leaves a
+  non-donating receiver unchanged, and a donating one out of sync until an anchor. Each leaf
+  keeps the sharding of the array it was given; a leaf split into blocks over a mesh is updated
+  block by block, each device keeping only the changes inside its own block.
+
+  Args:
+    plan: the sender's plan.
+    params: the rollout params at ``version``, in the plan's rollout dtypes.
+    version: the version ``params`` hold.
+    donate: update params in place (buffer donation).
+
+  Raises:
+    PlanMismatchError: ``params`` are not in the plan's rollout dtypes and shapes (named).
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)
+  >>> receiver = jsparse.Receiver(plan, {'w': jnp.zeros(8, jnp.bfloat16)}, version=3)
+  >>> receiver.version, receiver.params['w'].dtype
+  (3, dtype(bfloat16))
+  """
+
+  def __init__(self, plan: Plan, params: PyTree, *, version: int = 0, donate: bool = True):
+    self.plan = plan
+    self.version = check_version(version)
+    self._flat = commit_leaves(plan.flatten(params, what="params", rollout_only=True))
+    self._layouts = layouts_of(plan, self._flat)
+    self._donate = donate
+    self._digest = digest_bytes(programs.digest_program(self._flat, self._layouts))
+
+  @property
+  def params(self) -> PyTree:
+    """The current rollout params."""
+    return jax.tree.unflatten(self.plan.treedef, self._flat)
+
+  @property
+  def layouts(self) -> tuple:
+    """The block layout of each leaf this receiver holds (None: not split)."""
+    return self._layouts
+
+  def state(self) -> SyncState:
+    """What a restarted rollout needs to resume without a full resend. The arrays are the live
+    params: save them before the next ``receive``."""
+    return SyncState.of(self.plan, self.version, self._digest, self.params)
+
+  @classmethod
+  def restore(cls, plan: Plan, state: SyncState, *, donate: bool = True) -> "Receiver":
+    """A receiver that resumes from ``state`` (from :meth:`state`, e.g. restored by Orbax onto
+    the rollout shardings, see :func:`~jsparse.abstract_sync_state`).
+
+    Raises:
+      PlanMismatchError: the state belongs to another plan.
+      IntegrityError: the restored params do not match the digest saved with them.
+    """
+    version, digest, params = check_state(plan, state, rollout_only=True)
+    receiver = cls(plan, params, version=version, donate=donate)
+    check_digest(receiver._digest, digest, version)
+    return receiver
+
+  def receive(self, data: bytes) -> PyTree:
+    """Applies a payload and returns the new params.
+
+    Raises:
+      PayloadError: the bytes are corrupt, truncated, or for another plan.
+      VersionError: a delta for another base version (missed, replayed or reordered).
+      IntegrityError: the receiver's state is not the one the delta was computed against, or
+        the result does not match the sender's digest (see the class docstring).
+      PlanMismatchError: the payload names changes by rank in a leaf this receiver splits.
+      Except for a donating receiver's failed end-to-end check, nothing was changed.
+    """
+    return self.apply_payload(framing.decode(self.plan, data))
+
+  def apply_payload(self, payload: Payload) -> PyTree:
+    """:meth:`receive` for an already decoded (and validated) payload."""
+    self._check_base(payload)
+    flat = self._write_dense(payload)
+    if all(p.mode == Mode.DENSE for p in payload.segments):
+      digest = programs.digest_program(flat, self._layouts)
+    else:
+      flat, digest = programs.apply_inputs(self.plan, self._layouts, flat,
+                                           programs.receiver_inputs(self.plan, payload),
+                                           donate=self._donate)
+    self._verify_and_commit(payload, flat, digest_bytes(digest))
+    return self.params
+
+  def _check_base(self, payload: Payload) -> None:
+    """Refuses a payload for another base, or one whose ranks this layout cannot resolve."""
+    if payload.kind == Kind.DELTA:
+      if payload.base_version != self.version:
+        raise VersionError(f"payload turns version {payload.base_version} into "
+                           f"{payload.version}, but this receiver holds version {self.version}")
+      if payload.base_digest != self._digest:
+        raise IntegrityError(f"this receiver's params differ from the sender's version "
+                             f"{self.version}: resync with an anchor (sender.send(p, full=True))")
+    for s, part in enumerate(payload.segments):
+      split = [self.plan.leaves[i].path for i in self.plan.segments[s].leaf_ids
+               if self._layouts[i]]
+      if part.mode == Mode.BY_RANK and split:
+        raise PlanMismatchError(
+            f"this receiver splits leaf {split[0]} into blocks, but the plan codes its changes "
+            "in an order of the whole leaf: make the plan with rollout_shardings=<the rollout's "
+            "shardings> (or send with coding='positioned')")
+
+  def _write_dense(self, payload: Payload) -> list:
+    """The leaves with every dense record written (dense segments have no sparse entries)."""
+    flat = list(self._flat)
+    for s, part in enumerate(payload.segments):
+      if part.mode != Mode.DENSE:
+        continue
+      seg = self.plan.segments[s]
+      for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
+        leaf = self.plan.leaves[leaf_id]
+        host = bits_lib.np_from_bits(part.values[offset:offset + leaf.size], leaf.rollout_dtype)
+        flat[leaf_id] = jax.device_put(host.reshape(leaf.shape), self._flat[leaf_id].sharding)
+    return flat
+
+  def _verify_and_commit(self, payload: Payload, flat: list, digest: bytes) -> None:
+    if digest != payload.new_digest:
+      message = (f"version {payload.version} reconstructed with a digest that differs from the "
+                 "sender's (a payload that passed its checksum but not the end-to-end check)")
+      if not self._donate:
+        raise IntegrityError(f"{message}; nothing was applied")
+      # The old buffers were donated: keep what was built, under its own digest, so that no
+      # delta matches it and only an anchor is accepted.
+      self._flat, self._digest = flat, digest
+      raise IntegrityError(f"{message}; this receiver is out of sync until it gets an anchor "
+                           "(sender.send(params, full=True))")
+    self._flat = flat
+    self.version, self._digest = payload.version, payload.new_digest

@@ -1,0 +1,96 @@
+"""The resumable state of a :class:`~jsparse.Sender` or :class:`~jsparse.Receiver`.
+
+:class:`SyncState` is a tree of arrays that Orbax saves as it is (``ocp.args.StandardSave``):
+the version, the 64-bit digest of the synced params' bit patterns, the plan fingerprint and the
+params. A restarted trainer or rollout restores it (onto any sharding, with
+:func:`abstract_sync_state` as the target) and resumes without a full resend; the restored
+params are checked against the saved digest.
+
+>>> import jax.numpy as jnp, jsparse
+>>> plan = jsparse.make_plan({'w': jnp.zeros(3)}, rollout_dtype=jnp.bfloat16)
+>>> state = jsparse.Sender(plan, {'w': jnp.zeros(3)}).state()
+>>> int(state.version), state.params['w'].dtype
+(0, dtype(bfloat16))
+>>> jsparse.Receiver.restore(plan, state, donate=False).version
+0
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+
+from jsparse._src.core.plan import Plan
+from jsparse._src.errors import IntegrityError, PlanMismatchError, VersionError
+from jsparse._src.pytree import PyTree
+
+
+class SyncState(NamedTuple):
+  """What a sender or receiver needs to resume.
+
+  Attributes:
+    version: ``int64`` scalar, the synced version.
+    digest: ``uint32[2]``, the digest of ``params``' bit patterns.
+    plan: ``uint8[16]``, the plan's fingerprint.
+    params: the synced tree, in rollout dtypes.
+  """
+
+  version: Any
+  digest: Any
+  plan: Any
+  params: PyTree
+
+  @classmethod
+  def of(cls, plan: Plan, version: int, digest: bytes, params: PyTree) -> "SyncState":
+    """The state of ``params`` at ``version`` with an 8-byte ``digest``."""
+    return cls(np.array(version, np.int64), np.frombuffer(digest, "<u4").astype(np.uint32),
+               np.frombuffer(plan.fingerprint, np.uint8).copy(), params)
+
+
+def abstract_sync_state(plan: Plan, shardings: PyTree | None = None) -> SyncState:
+  """The abstract target to restore a :class:`SyncState` onto, its params placed by
+  ``shardings`` (a tree of shardings with the plan's structure; None: the default device).
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(3)}, rollout_dtype=jnp.bfloat16)
+  >>> jsparse.abstract_sync_state(plan).params['w'].dtype
+  dtype(bfloat16)
+  """
+  return SyncState(np.zeros((), np.int64), np.zeros(2, np.uint32), np.zeros(16, np.uint8),
+                   plan.rollout_shapes(shardings))
+
+
+def check_version(version: Any) -> int:
+  """``version`` as an int in [0, 2**63), else :class:`VersionError`."""
+  if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) \
+      or not 0 <= version < 2**63:
+    raise VersionError(f"a version must be an int in [0, 2**63), got {version!r}")
+  return int(version)
+
+
+def check_state(plan: Plan, state: Any, *, rollout_only: bool) -> tuple[int, bytes, PyTree]:
+  """(version, digest bytes, params) of a :class:`SyncState` (or a mapping with its fields, as
+  Orbax restores it without a target), checked against ``plan``."""
+  if isinstance(state, Mapping) and set(state) == set(SyncState._fields):
+    state = SyncState(**state)
+  if not isinstance(state, SyncState):
+    raise PlanMismatchError(f"sync state: expected a jsparse.SyncState, got {type(state)}")
+  if np.asarray(state.plan, np.uint8).tobytes() != plan.fingerprint:
+    raise PlanMismatchError("sync state: it was saved for another plan (fingerprint differs)")
+  plan.flatten(state.params, what="sync state params", rollout_only=rollout_only)
+  digest = np.asarray(state.digest, np.uint32)
+  if digest.shape != (2,):
+    raise PlanMismatchError(f"sync state: digest must be uint32[2], got {digest.shape}")
+  return check_version(int(state.version)), digest.astype("<u4").tobytes(), state.params
+
+
+def check_digest(actual: bytes, saved: bytes, version: int) -> None:
+  if actual != saved:
+    raise IntegrityError(f"restored sync state of version {version}: its params do not match "
+                         "the digest saved with them (corrupted or from another run)")
+
+
+def digest_bytes(digest: Any) -> bytes:
+  """A device digest (``uint32[2]``) as the 8 bytes payloads carry."""
+  return np.asarray(digest, np.uint32).astype("<u4").tobytes()

@@ -1,0 +1,83 @@
+"""The bytes of a sync payload: header, body, checksum. ``encode`` and ``decode`` mirror each
+other: ``decode(plan, encode(plan, p))`` equals ``p`` for every payload ``check_records`` accepts.
+
+Layout, little-endian::
+
+  header   magic "JSPS" | format u8 | kind u8 | reserved u16 | plan fingerprint 16B
+           | base version u64 | version u64 | base digest 8B | new digest 8B | segments u32
+  body     format 1: ``lists.py``; format 2: ``compact.py``
+  trailer  crc32 of everything before it, u32
+
+:func:`decode` checks everything (the checksum first, every length before it allocates, then
+:func:`~jsparse._src.wire.payload.check_records`) before returning, so a payload that decodes
+can be applied without further failure.
+
+>>> import numpy as np, jax.numpy as jnp, jsparse
+>>> from jsparse._src.wire.payload import Format, Kind, Mode, Payload, SegmentPayload
+>>> plan = jsparse.make_plan({'w': jnp.zeros(8)})
+>>> seg = SegmentPayload(Mode.LIST, np.array([3], np.int32), np.array([7], np.uint32))
+>>> p = Payload(Kind.DELTA, 0, 1, b'\\0' * 8, b'\\1' * 8, (seg,), Format.LISTS)
+>>> decode(plan, encode(plan, p)).segments[0].indices.tolist()
+[3]
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+from jsparse._src.core.plan import Plan
+from jsparse._src.errors import PayloadError
+from jsparse._src.wire import compact, lists
+from jsparse._src.wire.payload import Format, Kind, Payload, check_records
+from jsparse._src.wire.reader import Reader
+
+MAGIC = b"JSPS"
+HEADER = struct.Struct("<4sBBH16sQQ8s8sI")
+_CRC = struct.Struct("<I")
+_BODIES = {Format.LISTS: lists, Format.COMPACT: compact}
+
+
+def encode(plan: Plan, payload: Payload) -> bytes:
+  """Serializes ``payload`` (which must match ``plan``) to bytes."""
+  header = HEADER.pack(MAGIC, payload.format, payload.kind, 0, plan.fingerprint,
+                       payload.base_version, payload.version, payload.base_digest,
+                       payload.new_digest, len(payload.segments))
+  body = header + _BODIES[payload.format].encode_body(plan, payload.segments)
+  return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode(plan: Plan, data: bytes) -> Payload:
+  """Parses and fully validates ``data`` against ``plan``.
+
+  Raises:
+    PayloadError: for anything that is not a well-formed payload of this plan: wrong magic,
+      format or plan, bad checksum, truncation, trailing bytes, indices out of range, unsorted
+      or duplicated, counts over capacity.
+  """
+  if not isinstance(data, (bytes, bytearray, memoryview)):
+    raise PayloadError(f"payload must be bytes, got {type(data).__name__}")
+  data = bytes(data)
+  if len(data) < HEADER.size + _CRC.size:
+    raise PayloadError(f"payload truncated: {len(data)} bytes is shorter than a header")
+  if data[:4] != MAGIC:
+    raise PayloadError("not a jsparse payload (bad magic)")
+  body, (crc,) = data[:-_CRC.size], _CRC.unpack(data[-_CRC.size:])
+  if zlib.crc32(body) != crc:
+    raise PayloadError("payload checksum mismatch: corrupted or truncated")
+  reader = Reader(body)
+  (_, fmt, kind, _, fingerprint, base_version, version, base_digest, new_digest,
+   num_segments) = HEADER.unpack(reader.take(HEADER.size, "header"))
+  if fmt not in tuple(Format):
+    raise PayloadError(f"payload format {fmt} is not supported (this jsparse reads 1 and 2)")
+  if kind not in tuple(Kind):
+    raise PayloadError(f"unknown payload kind {kind}")
+  if fingerprint != plan.fingerprint:
+    raise PayloadError("payload was made for another plan (fingerprint differs)")
+  if num_segments != len(plan.segments):
+    raise PayloadError(f"payload has {num_segments} segments, the plan {len(plan.segments)}")
+  segments = _BODIES[Format(fmt)].decode_body(plan, reader)
+  if reader.remaining:
+    raise PayloadError(f"{reader.remaining} unexpected bytes after the last segment")
+  return check_records(plan, Payload(Kind(kind), base_version, version, base_digest,
+                                     new_digest, segments, Format(fmt)))

@@ -1,0 +1,227 @@
+"""The payload vocabulary: what a sync payload says, independent of its bytes.
+
+A :class:`Payload` brings a receiver from ``base_version`` to ``version``: per segment of the
+plan one :class:`SegmentPayload` record, whose :class:`Mode` says how its changes are named and
+valued. :class:`Format` is the body layout on the wire (``lists.py``, ``compact.py``);
+:class:`Coding` is the user's choice of format and naming. :func:`segment_records` builds the
+records from a diff moved to the host; :func:`check_records` states what every record must
+satisfy (the decoders and the checkpoint reader both rely on it).
+
+>>> import numpy as np, jax.numpy as jnp, jsparse
+>>> plan = jsparse.make_plan({'w': jnp.zeros(8)})
+>>> record = SegmentPayload(Mode.LIST, np.array([3], np.int32), np.array([7], np.uint32))
+>>> payload = Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), (record,), Format.LISTS)
+>>> check_records(plan, payload) is payload, Coding("ranked").format
+(True, <Format.COMPACT: 2>)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jsparse._src.core import bits as bits_lib
+from jsparse._src.core.delta import Delta
+from jsparse._src.core.plan import Plan
+from jsparse._src.errors import PayloadError
+from jsparse._src.wire import ulp_codes
+
+CHUNK_BITS = 16  # format 1 names positions inside 2**16-element chunks (uint16)
+RECORD = struct.Struct("<BI")  # a segment's entry in both formats' bodies: mode u8, count u32
+
+
+class Format(enum.IntEnum):
+  """The body layout of a payload on the wire."""
+  LISTS = 1    # per chunk uint16 positions (or a bitmap) and raw new bits: 4 B/change for bf16
+  COMPACT = 2  # gap-coded ranks or positions and ulp codes, zstd'd: ~1 B/change on RL updates
+
+
+class Kind(enum.IntEnum):
+  """Whether a payload applies to one base version only, or to any."""
+  DELTA = 0   # the changes since ``base_version``
+  ANCHOR = 1  # every segment dense: accepted on any base
+
+
+class Mode(enum.IntEnum):
+  """How one segment record names its changes (indices) and gives their values."""
+  EMPTY = 0        # nothing changed
+  LIST = 1         # format 1: positions, new bit patterns
+  BITMAP = 2       # format 1: positions (sent as a bitmap), new bit patterns
+  DENSE = 3        # both formats: the whole segment's bit patterns, no indices
+  BY_RANK = 4      # format 2: ranks in the exponent-class order, ulp codes
+  BY_POSITION = 5  # format 2: positions, ulp codes
+
+
+FORMAT_MODES = {
+    Format.LISTS: frozenset({Mode.EMPTY, Mode.LIST, Mode.BITMAP, Mode.DENSE}),
+    Format.COMPACT: frozenset({Mode.EMPTY, Mode.DENSE, Mode.BY_RANK, Mode.BY_POSITION}),
+}
+
+
+class Coding(str, enum.Enum):
+  """How a :class:`~jsparse.Sender` codes its payloads (a string works too: ``"lists"``).
+
+  - ``RANKED`` (the default): format 2, changes named by rank in the exponent-class order where
+    the plan allows, values as ulp codes: the fewest bytes (~1 B/change on RL updates); the
+    receiver makes one pass over its params per payload.
+  - ``POSITIONED``: format 2 with changes named by position: ~0.25 B more per change, no pass
+    over the params on either side, any rollout layout can apply it.
+  - ``LISTS``: format 1, positions and raw new bits: 4 B/change for 16-bit dtypes, the least
+    device work; for fast links.
+  """
+  RANKED = "ranked"
+  POSITIONED = "positioned"
+  LISTS = "lists"
+
+  @property
+  def format(self) -> Format:
+    return Format.LISTS if self is Coding.LISTS else Format.COMPACT
+
+  @property
+  def ranked(self) -> bool:
+    return self is Coding.RANKED
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentPayload:
+  """One segment's record.
+
+  Attributes:
+    mode: a :class:`Mode` of the payload's format.
+    indices: ``int32``, ascending: positions (or ranks for ``BY_RANK``) of the changes; None for
+      ``DENSE``.
+    values: the new bit patterns (``LIST``, ``BITMAP``, ``DENSE``: the whole segment) or ulp
+      codes (``BY_RANK``, ``BY_POSITION``), unsigned ints of the rollout dtype's width.
+  """
+
+  mode: Mode
+  indices: np.ndarray | None
+  values: np.ndarray
+
+  @property
+  def count(self) -> int:
+    """Changes carried sparsely (0 for dense records, which carry the whole segment)."""
+    return 0 if self.mode == Mode.DENSE else len(self.indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+  """A decoded payload: what it applies to, what it produces, and the segments' records."""
+
+  kind: Kind
+  base_version: int
+  version: int
+  base_digest: bytes
+  new_digest: bytes
+  segments: tuple[SegmentPayload, ...]
+  format: Format = Format.LISTS
+
+
+def ranked_segments(plan: Plan, modes: Sequence[Mode]) -> tuple[bool, ...]:
+  """Which segments' indices are ranks, for a payload with these record ``modes``: the ordered
+  segments, unless the payload names changes of an ordered segment by position (then none: a
+  payload does not mix the two). Stable across payloads of one coding, so the receiver's
+  programs do not recompile when other segments happen to be empty."""
+  by_position = any(m == Mode.BY_POSITION and seg.ordered for seg, m in zip(plan.segments, modes))
+  return tuple(seg.ordered and not by_position for seg in plan.segments)
+
+
+def list_or_bitmap(size: int, count: int) -> Mode:
+  """The cheaper format-1 position coding for ``count`` changes among ``size`` elements."""
+  chunks = -(-size // (1 << CHUNK_BITS))
+  return Mode.LIST if 2 * count + 4 * chunks <= (size + 7) // 8 else Mode.BITMAP
+
+
+def segment_host_bits(plan: Plan, segment_id: int, flat: Sequence) -> np.ndarray:
+  """The flat host bit patterns of one segment of rollout leaves ``flat`` (a dense record)."""
+  seg = plan.segments[segment_id]
+  parts = [bits_lib.np_to_bits(np.asarray(flat[i])).reshape(-1) for i in seg.leaf_ids]
+  return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def segment_records(plan: Plan, coding: Coding, delta: Delta, old_values: Sequence[np.ndarray],
+                    ranks: Sequence[np.ndarray | None] | None, *, dense: Callable[[int], np.ndarray],
+                    full: bool = False) -> tuple[SegmentPayload, ...]:
+  """The records of a diff on the host.
+
+  Args:
+    plan: the plan.
+    coding: the payload's :class:`Coding`.
+    delta: a :class:`~jsparse.Delta` as numpy arrays.
+    old_values: per segment, the old bits at the delta's positions.
+    ranks: per segment, the ranks of the delta's first changes (None, or None for a segment:
+      name its changes by position).
+    dense: ``dense(s)`` gives segment ``s``'s new bits, for overflowed segments and anchors.
+    full: every segment dense (an anchor).
+  """
+  records = []
+  for s, seg in enumerate(plan.segments):
+    if full or delta.overflow[s]:
+      records.append(SegmentPayload(Mode.DENSE, None, dense(s)))
+      continue
+    count = int(delta.counts[s])
+    indices, values, old = delta.indices[s], delta.values[s], old_values[s]
+    if seg.blocks > 1:  # ascending per block, unused slots between blocks: merge the blocks
+      order = np.argsort(indices, kind="stable")
+      indices, values, old = indices[order], values[order], old[order]
+    indices, values, old = indices[:count], values[:count], old[:count]
+    if coding.format == Format.LISTS:
+      records.append(SegmentPayload(list_or_bitmap(seg.size, count), indices, values))
+      continue
+    codes = ulp_codes.ulp_codes(old, values, seg.dtype, np)
+    if ranks is not None and ranks[s] is not None:  # by class, then position: a stable sort
+      order = np.argsort(ulp_codes.exponent_class(old, seg.dtype, np), kind="stable")
+      records.append(SegmentPayload(Mode.BY_RANK, ranks[s][:count][order], codes[order]))
+    else:
+      records.append(SegmentPayload(Mode.BY_POSITION, indices, codes))
+  return tuple(records)
+
+
+def check_records(plan: Plan, payload: Payload) -> Payload:
+  """Returns ``payload`` if every record is well formed for ``plan``, else raises.
+
+  Raises:
+    PayloadError: naming the segment: a mode of another format, a dense record of the wrong
+      size, indices out of range, unsorted or repeated, more changes than the capacity, ranks
+      for a segment that has no rank order, a payload mixing ranks and positions in ordered
+      segments, an anchor with sparse records, values of the wrong width.
+  """
+  if len(payload.segments) != len(plan.segments):
+    raise PayloadError(f"payload has {len(payload.segments)} segments, the plan "
+                       f"{len(plan.segments)}")
+  allowed = FORMAT_MODES[payload.format]
+  for s, (seg, part) in enumerate(zip(plan.segments, payload.segments)):
+    where = plan.describe_segment(s)
+    if part.mode not in allowed:
+      raise PayloadError(f"{where}: mode {part.mode} is not one of format {payload.format}")
+    if np.dtype(part.values.dtype) != seg.bit_dtype:
+      raise PayloadError(f"{where}: values are {part.values.dtype}, expected {seg.bit_dtype}")
+    if part.mode == Mode.DENSE:
+      if part.indices is not None or len(part.values) != seg.size:
+        raise PayloadError(f"{where}: a dense record of {len(part.values)} elements, the "
+                           f"segment has {seg.size}")
+      continue
+    if payload.kind == Kind.ANCHOR:
+      raise PayloadError("an anchor payload must carry every segment densely")
+    indices = part.indices
+    if part.mode == Mode.EMPTY and len(indices):
+      raise PayloadError(f"{where}: an empty record with {len(indices)} changes")
+    if len(indices) != len(part.values) or len(indices) > seg.capacity:
+      raise PayloadError(f"{where}: {len(indices)} indices, {len(part.values)} values, "
+                         f"capacity {seg.capacity}")
+    if part.mode == Mode.BY_RANK and not seg.ordered:
+      raise PayloadError(f"{where}: ranks in exponent order for a segment without that order")
+    if len(indices) and (indices[0] < 0 or indices[-1] >= seg.size
+                         or np.any(np.diff(indices) <= 0)):
+      kind = "ranks" if part.mode == Mode.BY_RANK else "positions"
+      raise PayloadError(f"{where}: {kind} out of range [0, {seg.size}), unsorted or repeated")
+  modes = [p.mode for p in payload.segments]
+  if Mode.BY_RANK in modes and any(m == Mode.BY_POSITION and seg.ordered
+                                   for seg, m in zip(plan.segments, modes)):
+    raise PayloadError("a payload names changes by rank in some ordered segments and by "
+                       "position in others")
+  return payload
