@@ -50,7 +50,7 @@ setup() {
 
 cmd="${1:-}"; shift || true
 case "$cmd" in
-  demo) setup; exec "$venv/bin/python" -m jsparse.demo "$@" ;;
+  demo) setup; exec "$venv/bin/python" -m jsparse.examples.demo "$@" ;;
   test) setup; exec "$venv/bin/python" -m pytest "$@" ;;
   *) echo "usage: bash run.sh demo|test [options]" >&2; exit 2 ;;
 esac

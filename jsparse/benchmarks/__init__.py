@@ -1,1 +1,1 @@
-"""Benchmarks behind ``python -m jsparse.bench``: each a ratio measured side by side in one run."""
+"""Benchmarks behind ``python -m jsparse.benchmarks``: each a ratio measured side by side in one run."""

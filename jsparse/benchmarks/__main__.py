@@ -1,4 +1,4 @@
-"""``python -m jsparse.bench``: jsparse against the alternatives, side by side in one run.
+"""``python -m jsparse.benchmarks``: jsparse against the alternatives, side by side in one run.
 
 On a realistic update (a ~21M-parameter TinyLM pretrained for 300 AdamW steps, then RL-like
 AdamW steps at lr 1e-6 on fp32 masters, bf16 rollout; the method table is for the step whose
@@ -15,11 +15,12 @@ from typing import Sequence
 import jax.numpy as jnp
 
 import jsparse
-from jsparse.benchmarks import storage, sync, workload
+from jsparse.benchmarks import storage, sync
+from jsparse.examples import workload
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(prog="python -m jsparse.bench",
+  parser = argparse.ArgumentParser(prog="python -m jsparse.benchmarks",
                                    description=__doc__.split("\n")[0])
   parser.add_argument("--dim", type=int, default=512, help="model width")
   parser.add_argument("--depth", type=int, default=6, help="residual blocks")

@@ -49,7 +49,7 @@ def _save_chain(directory: Path, plan: jsparse.Plan, states: Sequence) -> list[d
     for step, params in enumerate(states):
       start = time.perf_counter()
       stats = chain.save(step, params)
-      rows.append(dict(stats, seconds=time.perf_counter() - start))
+      rows.append(dict(stats._asdict(), seconds=time.perf_counter() - start))
     jax.block_until_ready(chain.restore(len(states) - 1))  # compiles the apply programs
     start = time.perf_counter()
     jax.block_until_ready(chain.restore(len(states) - 1))

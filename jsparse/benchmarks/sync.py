@@ -34,10 +34,12 @@ import numpy as np
 import zstandard
 
 import jsparse
-from jsparse._src import bits as bits_lib
-from jsparse._src import compact as compact_format
-from jsparse._src import sync, sync_steps, wire
-from jsparse._src.delta import _apply_donating, receiver_layouts
+from jsparse._src.core import bits as bits_lib
+from jsparse._src.core.delta import apply_program, layouts_of
+from jsparse._src.sync import programs
+from jsparse._src.wire import framing
+from jsparse._src.wire.payload import (Coding, Kind, Payload, segment_host_bits,
+                                       segment_records)
 
 LINKS_GBIT = (0.1, 1, 10, 100)
 METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + zstd",
@@ -169,61 +171,42 @@ def _xor_zstd(plan, before, after, repeats):
           "temp": _temp(xor, snapshot, after) + _temp(merge, rollout()[0], xor(snapshot, after))}
 
 
-def _jsparse(plan, before, after, repeats, wire_format):
+def _jsparse(plan, before, after, repeats, coding):
   snapshot = plan.cast(before)
-  fresh_sender = lambda: (jsparse.Sender(plan, before, wire_format=wire_format),)
+  fresh_sender = lambda: (jsparse.Sender(plan, before, coding=coding),)
   fresh_receiver = lambda: (jsparse.Receiver(plan, _copy(snapshot)),)
   data = fresh_sender()[0].send(after)
   row = {"bytes": len(data),
          "encode": _best(lambda s: s.send(after), fresh_sender, repeats),
          "apply": _best(lambda r: r.receive(data), fresh_receiver, repeats)}
-  # Parts: the jitted diff step, host encoding, host decoding, the jitted apply.
-  compact = wire_format == wire.COMPACT
+  # The stages: the sender's device stage, host records and bytes, host decoding into device
+  # inputs, the receiver's device stage.
   flat = jax.tree.leaves(after)
   fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
-
-  def step(snapshot_flat, new_flat):  # what Sender.payload runs on device
-    delta, old, tables, _, _ = sync_steps.sender_step(plan, compact, snapshot_flat, new_flat)
-    ranks = None
-    if compact:
-      slots = sync_steps.slots_needed(plan, np.asarray(delta.counts))
-      ranks = sync_steps.ranks(plan, slots, tables, delta.indices, old)
-    return delta, old, ranks
-
-  row["diff"] = _best(step, fresh_snapshot, repeats)
-  delta, old, ranks = jax.device_get(step(*fresh_snapshot()))
-  dense = lambda s: sync._segment_host_bits(plan, s, jax.tree.leaves(snapshot))
+  device_stage = lambda snap, new: programs.sender_changes(plan, coding, snap, new)[0]
+  row["diff"] = _best(device_stage, fresh_snapshot, repeats)
+  delta, old, ranks = jax.device_get(device_stage(*fresh_snapshot()))
+  dense = lambda s: segment_host_bits(plan, s, jax.tree.leaves(snapshot))
 
   def encode_host():
-    segments = sync.host_segments(plan, wire_format, delta, old, ranks, dense=dense)
-    return wire.encode(plan, wire.Payload(wire.DELTA, 0, 1, bytes(8), bytes(8), segments,
-                                          wire_format))
+    records = segment_records(plan, coding, delta, old, ranks, dense=dense)
+    return framing.encode(plan, Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), records,
+                                        coding.format))
 
   row["host_encode"] = _best(encode_host, repeats=repeats)
-  receiver = fresh_receiver()[0]
   row["host_decode"] = _best(
-      lambda: receiver._padded(wire.decode(plan, data)), repeats=repeats)
-  payload = wire.decode(plan, data)
-  keys, values, counts = receiver._padded(payload)
-  ranked = compact_format.ranked_segments(plan, [p.mode for p in payload.segments])
-  layouts = receiver_layouts(plan, jax.tree.leaves(snapshot))
-  if compact:
-    jitted = sync_steps.apply_steps[True]
-    args = (sync_steps.positions(plan, ranked, jax.tree.leaves(snapshot), keys, counts), values,
-            counts)
-    prepare = lambda f: sync_steps.positions(plan, ranked, f, keys, counts)
-  else:
-    jitted = sync_steps.apply_bits[True]
-    args = (jsparse.Delta(keys, values, counts, np.zeros(counts.shape, bool)),)
-    prepare = lambda f: None
-
-  def device_apply(f):
-    prepare(f)
-    return jitted(plan, layouts, f, *args)
-
+      lambda: programs.receiver_inputs(plan, framing.decode(plan, data)), repeats=repeats)
+  inputs = programs.receiver_inputs(plan, framing.decode(plan, data))
+  layouts = layouts_of(plan, jax.tree.leaves(snapshot))
+  device_apply = lambda f: programs.apply_inputs(plan, layouts, f, inputs, donate=True)
   row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
-  row["temp"] = (_temp(sync_steps.sender_step, plan, compact, *fresh_snapshot())
-                 + _temp(jitted, plan, layouts, jax.tree.leaves(snapshot), *args))
+  indices = inputs.keys
+  if inputs.coded:
+    indices = programs.positions_program(plan, inputs.ranked, jax.tree.leaves(snapshot),
+                                         inputs.keys, inputs.counts)
+  row["temp"] = (_temp(programs.diff_program, plan, coding.ranked, *fresh_snapshot())
+                 + _temp(programs.apply_program(True), plan, layouts, inputs.coded,
+                         jax.tree.leaves(snapshot), indices, inputs.values))
   return row
 
 
@@ -233,8 +216,8 @@ def compare_methods(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 
       METHODS[0]: _dense(plan, before, after, repeats),
       METHODS[1]: _raw_int32(plan, before, after, repeats),
       METHODS[2]: _xor_zstd(plan, before, after, repeats),
-      METHODS[3]: _jsparse(plan, before, after, repeats, wire.LISTS),
-      METHODS[4]: _jsparse(plan, before, after, repeats, wire.COMPACT),
+      METHODS[3]: _jsparse(plan, before, after, repeats, Coding.LISTS),
+      METHODS[4]: _jsparse(plan, before, after, repeats, Coding.RANKED),
   }
 
 
@@ -244,7 +227,7 @@ def per_step_sizes(plan: jsparse.Plan, states: list) -> list[dict]:
   rows = []
   for params in states[1:]:
     size = len(sender.send(params))
-    changed = sender.last_stats["changed"]
+    changed = sender.last_stats.changed
     rows.append({"density": changed / plan.num_elements, "changed": changed, "bytes": size})
   return rows
 
@@ -294,7 +277,7 @@ def core_budgets(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 5) 
   floor = jax.jit(_floor, static_argnums=0)
   dense_copy = jax.jit(lambda p: jax.tree.map(lambda x: x + 0, plan.cast(p)))
   delta = jsparse.diff(plan, snapshot, after)
-  layouts = receiver_layouts(plan, jax.tree.leaves(snapshot))
+  layouts = layouts_of(plan, jax.tree.leaves(snapshot))
   apply = functools.partial(jsparse.apply, plan, donate=True)
   rows = {
       "compare-and-count (floor)": (_best(floor, lambda: (plan, snapshot, after), repeats),
@@ -304,7 +287,7 @@ def core_budgets(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 5) 
       "dense bf16 copy": (_best(dense_copy, lambda: (after,), repeats),
                           _temp(dense_copy, after)),
       "jsparse.apply (donated)": (_best(apply, lambda: (_copy(snapshot), delta), repeats),
-                                  _temp(_apply_donating, plan, layouts, snapshot, delta)),
+                                  _temp(apply_program(True), plan, layouts, snapshot, delta)),
   }
   print(f"\n{'pure core, jitted':<30}{'ms':>8}{'temp / fp32 params':>20}")
   for name, (seconds, temp) in rows.items():

@@ -11,12 +11,13 @@ simulated CPU devices.
 Writes, under ``--out``: ``demo_summary.json`` (per-step numbers), ``demo_sync.png`` (density
 and payload bytes per step) and ``checkpoints/`` (the chain).
 
-Run ``python -m jsparse.demo --help`` for options.
+Run ``python -m jsparse.examples.demo --help`` for options.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -38,7 +39,7 @@ def _ensure_devices(count: int) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   from jsparse.examples import rl_model
   defaults = rl_model.Config()
-  parser = argparse.ArgumentParser(prog="python -m jsparse.demo",
+  parser = argparse.ArgumentParser(prog="python -m jsparse.examples.demo",
                                    description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=12, help="RL-like steps, each synced")
   parser.add_argument("--lr", type=float, default=defaults.rl_lr, help="AdamW learning rate")
@@ -149,9 +150,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     sync_ms = 1e3 * (time.perf_counter() - start)
     exact = trees_bitwise_equal(rollout, plan.cast(params))
     checkpoint = chain.save(step, params)
-    stats = dict(sender.last_stats, loss=loss, sync_ms=sync_ms, exact=exact,
-                 density=sender.last_stats["changed"] / plan.num_elements,
-                 checkpoint_kind=checkpoint["kind"], checkpoint_bytes=checkpoint["bytes"])
+    stats = dict(dataclasses.asdict(sender.last_stats), loss=loss, sync_ms=sync_ms,
+                 exact=exact, density=sender.last_stats.density,
+                 checkpoint_kind=checkpoint.kind, checkpoint_bytes=checkpoint.bytes)
     history.append(stats)
     ratio = plan.rollout_bytes / stats["payload_bytes"]
     line = (f"density {stats['density']:.2%}, {stats['payload_bytes']:,} B ({ratio:.0f}x < "
