@@ -53,7 +53,7 @@ def test_capacity_fraction_or_count(capacity, expected):
 
 @pytest.mark.parametrize("capacity", [0, -1, 0.0, 1.5, -0.1, "0.1", True, None])
 def test_capacity_out_of_range_is_refused(capacity):
-  with pytest.raises(jsparse.PlanError, match="capacity"):
+  with pytest.raises(jsparse.ConfigError, match="capacity"):
     jsparse.make_plan({"w": jnp.zeros(100)}, capacity=capacity)
 
 
@@ -98,5 +98,5 @@ def test_unsupported_dtype_is_refused():
 
 
 def test_bucket_size_must_be_positive():
-  with pytest.raises(jsparse.PlanError, match="bucket_size"):
+  with pytest.raises(jsparse.ConfigError, match="bucket_size"):
     jsparse.make_plan({"w": jnp.zeros(3)}, bucket_size=0)

@@ -1,4 +1,7 @@
-"""Sender -> bytes -> Receiver: exact for any update, overflow fallback, refusals leave no trace."""
+"""The protocol, Sender -> bytes -> Receiver: exact for any update, overflow fallback, versions,
+anchors, catching up, refusals that leave no trace, the end-to-end digest, compilations."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +10,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jsparse
-from jsparse._src import wire
+from jsparse._src.wire import framing
+from jsparse._src.wire.payload import Kind, Mode, SegmentPayload
+from tests.helpers import compilations
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
 
@@ -15,6 +20,33 @@ from tests import strategies
 def _pair(params, **plan_options):
   plan = jsparse.make_plan(params, **plan_options)
   return plan, jsparse.Sender(plan, params), jsparse.Receiver(plan, plan.cast(params))
+
+
+def _mixed_tree(seed):
+  """Weights of several scales (exponent classes), a pooled bias, an int leaf and a float8."""
+  rng = np.random.default_rng(seed)
+  return {"w": (rng.normal(size=(300, 200)) * 0.02).astype(np.float32),
+          "emb": rng.normal(size=(100, 64)).astype(np.float32),
+          "b": (rng.normal(size=(200,)) * 1e-3).astype(np.float32),
+          "steps": rng.integers(0, 100, size=(7,)).astype(np.int32),
+          "f8": rng.normal(size=(50,)).astype(jnp.float8_e4m3fn)}
+
+
+def _mixed_plan():
+  return jsparse.make_plan(_mixed_tree(0), rollout_dtype=lambda p, s: jnp.bfloat16
+                           if s.dtype == np.float32 else None, capacity=0.2, bucket_size=1024)
+
+
+def _nudge(rng, tree, density):
+  """An RL-like update: a ``density`` fraction of fp32 elements moves a few ulps."""
+  out = {}
+  for k, v in tree.items():
+    v = np.array(v)
+    if v.dtype == np.float32:
+      moved = rng.random(v.shape) < density
+      v = np.where(moved, v * (1 + rng.normal(size=v.shape) * 2e-2), v).astype(v.dtype)
+    out[k] = v
+  return out
 
 
 def _tree(rng, dtype=np.float32):
@@ -25,13 +57,13 @@ def _tree(rng, dtype=np.float32):
 
 @settings(max_examples=40)
 @given(strategies.trees_and_updates(), st.sampled_from([0.01, 0.3, 1.0]),
-       st.sampled_from([0.01, 1.0]), st.sampled_from([1, 512]), st.sampled_from([1, 2]))
-def test_any_update_roundtrips_exactly(pair, capacity, pooled_capacity, bucket_size,
-                                       wire_format):
+       st.sampled_from([0.01, 1.0]), st.sampled_from([1, 512]),
+       st.sampled_from(list(jsparse.Coding)))
+def test_any_update_roundtrips_exactly(pair, capacity, pooled_capacity, bucket_size, coding):
   base, new = pair
   plan = jsparse.make_plan(base, capacity=capacity, pooled_capacity=pooled_capacity,
                            bucket_size=bucket_size)
-  sender = jsparse.Sender(plan, base, wire_format=wire_format)
+  sender = jsparse.Sender(plan, base, coding=coding)
   receiver = jsparse.Receiver(plan, plan.cast(base))
   out = receiver.receive(sender.send(new))
   assert_trees_bitwise_equal(out, new)
@@ -52,11 +84,11 @@ def test_multi_step_fp32_to_bf16_with_overflow_fallback(density):
     assert_trees_bitwise_equal(out, plan.cast(params))
   stats = sender.last_stats
   if density >= 0.3:
-    assert stats["overflowed_segments"] == len(plan.segments)
+    assert stats.overflowed_segments == len(plan.segments)
   if density <= 0.001:
-    assert stats["overflowed_segments"] == 0
+    assert stats.overflowed_segments == 0
   if density == 0.0:
-    assert stats["changed"] == 0 and stats["payload_bytes"] < 200
+    assert stats.changed == 0 and stats.payload_bytes < 200
 
 
 def test_overflowed_segments_travel_densely_and_others_sparsely():
@@ -65,9 +97,9 @@ def test_overflowed_segments_travel_densely_and_others_sparsely():
   plan, sender, receiver = _pair(params, capacity=0.01, bucket_size=1000)
   new = dict(params, w=strategies.perturb(rng, params["w"], 0.5))
   data = sender.send(new)
-  modes = [s.mode for s in wire.decode(plan, data).segments]
+  modes = [s.mode for s in framing.decode(plan, data).segments]
   w_segment = [i for i, s in enumerate(plan.segments) if s.size == 20000][0]
-  assert modes[w_segment] == wire.DENSE and modes.count(wire.DENSE) == 1
+  assert modes[w_segment] == Mode.DENSE and modes.count(Mode.DENSE) == 1
   assert_trees_bitwise_equal(receiver.receive(data), new)
 
 
@@ -76,7 +108,7 @@ def test_payload_is_small_for_sparse_updates():
   plan, sender, receiver = _pair(params)
   new = {"w": params["w"].at[::10, ::10].set(1.0)}  # 1% of elements
   data = sender.send(new)
-  assert sender.last_stats["changed"] == 10000
+  assert sender.last_stats.changed == 10000
   assert len(data) < 10000 * 6 + 200  # int32 index + bf16 value at most, plus headers
   receiver.receive(data)
 
@@ -100,8 +132,8 @@ def test_anchor_every():
   params = {"w": jnp.zeros(5000)}
   plan = jsparse.make_plan(params)
   sender = jsparse.Sender(plan, params, anchor_every=3)
-  kinds = [wire.decode(plan, sender.send(params)).kind for _ in range(6)]
-  assert kinds == [wire.DELTA, wire.DELTA, wire.ANCHOR] * 2
+  kinds = [framing.decode(plan, sender.send(params)).kind for _ in range(6)]
+  assert kinds == [Kind.DELTA, Kind.DELTA, Kind.ANCHOR] * 2
 
 
 def test_version_gap_replay_and_reorder_are_refused_without_change():
@@ -144,24 +176,78 @@ def test_receiver_refuses_params_that_do_not_match_the_plan():
     jsparse.Receiver(plan, {"w": jnp.zeros(4)})
 
 
-@pytest.mark.parametrize("wire_format", [1, 2])
-def test_compilations_per_plan_are_bounded_whatever_the_density(wire_format):
-  """One compilation per program and plan; the compact path's per-change programs take slots
-  sized to each step's changes, at most 4 variants (see ``sync_steps.slots_needed``)."""
-  from jsparse._src import sync_steps
+@pytest.mark.parametrize("coding", list(jsparse.Coding))
+def test_compilations_per_plan_are_bounded_whatever_the_density(coding):
+  """One compilation per program and plan; the per-change programs take slots sized to each
+  step's changes, at most 4 variants (see ``programs.slots_needed``)."""
+  from jsparse._src.sync import programs
   rng = np.random.default_rng(5)
   params = jax.tree.map(jnp.asarray, _tree(rng))
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, bucket_size=1000, capacity=0.2)
-  once = (sync_steps.sender_step, sync_steps.digest)
-  per_slots = (sync_steps.ranks, sync_steps.positions, sync_steps.apply_steps[True],
-               sync_steps.apply_bits[True])
-  before = [f._cache_size() for f in once + per_slots]
-  sender = jsparse.Sender(plan, params, wire_format=wire_format)
+  once = (programs.diff_program, programs.digest_program)
+  per_slots = (programs.rank_program, programs.positions_program, programs.apply_program(True))
+  before = [compilations(f) for f in once + per_slots]
+  sender = jsparse.Sender(plan, params, coding=coding)
   receiver = jsparse.Receiver(plan, plan.cast(params))
   for density in [0.0, 0.001, 0.01, 0.05, 0.1, 0.15, 0.3, 0.02, 0.0, 0.12]:
     params = jax.tree.map(lambda x: jnp.asarray(strategies.perturb(rng, np.asarray(x), density)),
                           params)
     receiver.receive(sender.send(params))
-  grown = [f._cache_size() - b for f, b in zip(once + per_slots, before)]
+  grown = [compilations(f) - b for f, b in zip(once + per_slots, before)]
   assert all(g <= 1 for g in grown[:2]), grown
   assert all(g <= 4 for g in grown[2:]), grown
+
+
+def test_decoded_but_wrong_payload_is_caught_end_to_end_and_applies_nothing():
+  plan, tree = _mixed_plan(), _mixed_tree(0)
+  sender = jsparse.Sender(plan, tree)
+  data = sender.send(_nudge(np.random.default_rng(2), tree, 0.03))
+  payload = framing.decode(plan, data)
+  s = next(i for i, p in enumerate(payload.segments) if p.mode == Mode.BY_RANK)
+  bad_values = payload.segments[s].values.copy()
+  bad_values[0] += 1  # one step more than the sender meant: structurally valid
+  segments = list(payload.segments)
+  segments[s] = SegmentPayload(Mode.BY_RANK, payload.segments[s].indices, bad_values)
+  bad = framing.encode(plan, dataclasses.replace(payload, segments=tuple(segments)))
+  careful = jsparse.Receiver(plan, plan.cast(tree), donate=False)
+  with pytest.raises(jsparse.IntegrityError, match="nothing was applied"):
+    careful.receive(bad)
+  assert_trees_bitwise_equal(careful.params, plan.cast(tree))
+  assert careful.version == 0
+  assert_trees_bitwise_equal(careful.receive(data), sender.snapshot)
+  fast = jsparse.Receiver(plan, plan.cast(tree))  # donating: out of sync until an anchor
+  with pytest.raises(jsparse.IntegrityError, match="until it gets an anchor"):
+    fast.receive(bad)
+  with pytest.raises(jsparse.IntegrityError, match="differ from the sender"):
+    fast.receive(data)
+  assert_trees_bitwise_equal(fast.receive(sender.send(sender.snapshot, full=True)),
+                             sender.snapshot)
+
+
+@pytest.mark.parametrize("coding", ["lists", "ranked"])
+def test_lagging_receiver_catches_up_by_chain_or_anchor(coding):
+  tree = _mixed_tree(5)
+  plan = _mixed_plan()
+  sender = jsparse.Sender(plan, tree, coding=coding, anchor_every=5)
+  behind = jsparse.Receiver(plan, plan.cast(tree))
+  other = jsparse.Receiver(plan, plan.cast(tree))
+  rng = np.random.default_rng(6)
+  sent, kinds = [], []
+  for _ in range(6):
+    tree = _nudge(rng, tree, 0.02)
+    sent.append(sender.send(tree))
+    kinds.append(framing.decode(plan, sent[-1]).kind)
+  assert kinds == [Kind.DELTA] * 4 + [Kind.ANCHOR, Kind.DELTA]  # version 5 is an anchor
+  with pytest.raises(jsparse.VersionError):
+    behind.receive(sent[2])  # missed versions 1 and 2
+  for data in sent[:4]:  # the chain of missed payloads, in order
+    behind.receive(data)
+  assert behind.version == 4
+  other.receive(sent[0])
+  other.receive(sent[4])  # the anchor, from any base
+  for data in sent[4:]:
+    behind.receive(data)
+  other.receive(sent[5])
+  for receiver in (behind, other):
+    assert_trees_bitwise_equal(receiver.params, plan.cast(tree))
+    assert receiver.version == 6

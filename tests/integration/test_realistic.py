@@ -6,8 +6,7 @@ import pytest
 from flax import nnx
 
 import jsparse
-from jsparse import demo
-from jsparse.examples import rl_model
+from jsparse.examples import demo, rl_model
 from jsparse.testing import assert_trees_bitwise_equal
 
 CFG = rl_model.Config(vocab=512, dim=128, depth=2, batch=16, seq=32, pretrain_steps=20)
@@ -27,8 +26,8 @@ def test_rl_finetuning_syncs_exactly_and_sparsely(record_property):
     rollout = receiver.receive(sender.send(params))
     assert_trees_bitwise_equal(rollout, plan.cast(params))
     stats = sender.last_stats
-    densities.append(stats["changed"] / stats["elements"])
-    ratios.append(stats["dense_bytes"] / stats["payload_bytes"])
+    densities.append(stats.density)
+    ratios.append(stats.dense_bytes / stats.payload_bytes)
   print(f"\n{plan.num_elements} params; density per step {np.round(densities, 5).tolist()}; "
         f"payload vs dense bf16 {np.round(ratios, 1).tolist()}x")
   record_property("densities", densities)

@@ -7,12 +7,15 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jsparse
+from jsparse._src.core import bits as bits_lib
+from jsparse._src.core import delta as delta_lib
 from jsparse.testing import assert_trees_bitwise_equal, special_values
 from tests import strategies
+from tests.helpers import compilations
 
 
 def _bits(x):
-  return jsparse._src.bits.np_to_bits(np.asarray(x))
+  return bits_lib.np_to_bits(np.asarray(x))
 
 
 def _roundtrip(plan, base, new):
@@ -157,13 +160,12 @@ def test_one_compilation_per_plan():
   base = {"w": jnp.asarray(rng.normal(size=(128, 128)), jnp.float32), "b": jnp.zeros(128)}
   plan = jsparse.make_plan(base, rollout_dtype=jnp.bfloat16, capacity=0.2)
   rollout = plan.cast(base)
-  from jsparse._src import delta as delta_lib
-  diffs, applies = jsparse.diff._cache_size(), delta_lib._apply_copying._cache_size()
+  diffs, applies = compilations(jsparse.diff), compilations(delta_lib.apply_program(False))
   for step in range(4):
     new = jax.tree.map(lambda x: x + 1e-2 * step, base)
     rollout = jsparse.apply(plan, rollout, jsparse.diff(plan, base, new))
-  assert jsparse.diff._cache_size() == diffs + 1
-  assert delta_lib._apply_copying._cache_size() == applies + 1
+  assert compilations(jsparse.diff) == diffs + 1
+  assert compilations(delta_lib.apply_program(False)) == applies + 1
 
 
 def test_apply_with_donation_updates_in_place():
