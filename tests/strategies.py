@@ -1,4 +1,5 @@
-"""Shared test data: random pytrees of bit patterns and sparse random updates."""
+"""Shared test data: random pytrees of bit patterns, sparse random updates, and a mixed tree
+with RL-like updates."""
 
 from __future__ import annotations
 
@@ -56,3 +57,33 @@ def trees_and_updates(draw, dtypes=ALL_DTYPES, max_leaves=5, max_dim=70):
           for i, (s, d) in enumerate(zip(shapes, leaf_dtypes))}
   new = {k: with_specials(rng, perturb(rng, v, density)) for k, v in base.items()}
   return base, new
+
+
+def mixed_tree(rng: np.random.Generator) -> dict:
+  """Weights of several scales (exponent classes), a pooled bias, an int leaf and a float8."""
+  return {"w": (rng.normal(size=(300, 200)) * 0.02).astype(np.float32),
+          "emb": rng.normal(size=(100, 64)).astype(np.float32),
+          "b": (rng.normal(size=(200,)) * 1e-3).astype(np.float32),
+          "steps": rng.integers(0, 100, size=(7,)).astype(np.int32),
+          "f8": rng.normal(size=(50,)).astype(jnp.float8_e4m3fn)}
+
+
+def mixed_plan_options() -> dict:
+  """fp32 leaves to bf16 on the rollout, the others kept; small segments pooled."""
+  return {"rollout_dtype": lambda path, s: jnp.bfloat16 if s.dtype == np.float32 else None,
+          "bucket_size": 1024}
+
+
+def nudge_leaf(rng: np.random.Generator, v: np.ndarray, density: float) -> np.ndarray:
+  """An RL-like update of an fp32 leaf: a ``density`` fraction of its elements moves by ~2%
+  (a few bf16 ulps); other dtypes are returned unchanged (and draw nothing from ``rng``)."""
+  v = np.array(v)
+  if v.dtype == np.float32:
+    moved = rng.random(v.shape) < density
+    v = np.where(moved, v * (1 + rng.normal(size=v.shape) * 2e-2), v).astype(v.dtype)
+  return v
+
+
+def nudge(rng: np.random.Generator, tree: dict, density: float) -> dict:
+  """:func:`nudge_leaf` on every leaf of a dict."""
+  return {k: nudge_leaf(rng, v, density) for k, v in tree.items()}

@@ -1,6 +1,5 @@
 """Orbax persistence: resumable Sender/Receiver state and delta checkpoint chains."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -252,3 +251,12 @@ def test_restored_sync_state_is_checked():
   with pytest.raises(jsparse.PlanMismatchError, match="SyncState"):
     jsparse.Sender.restore(plan, {"params": state.params})
   assert jsparse.Sender.restore(plan, state._asdict()).version == 0  # as Orbax returns it
+
+
+@pytest.mark.parametrize("options", [{"rebase_every": True}, {"rebase_every": -1},
+                                     {"max_to_keep": 0}, {"max_to_keep": 1.5}])
+def test_bad_manager_options_are_config_errors_and_create_nothing(tmp_path, options):
+  plan = _plan(_steps(9, 1)[0])
+  with pytest.raises(jsparse.ConfigError):
+    jsparse.DeltaCheckpointManager(tmp_path / "chain", plan, **options)
+  assert not (tmp_path / "chain").exists()

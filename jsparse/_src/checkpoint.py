@@ -57,6 +57,14 @@ class SaveInfo(NamedTuple):
     kind: ``"base"`` (the full tree) or ``"delta"`` (the changes since the step before).
     changed: elements that changed since the step before (a base: every element).
     bytes: the step's bytes on disk.
+
+  >>> import tempfile, jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(100)})
+  >>> with jsparse.DeltaCheckpointManager(tempfile.mkdtemp(), plan) as chain:
+  ...   _ = chain.save(0, {'w': jnp.zeros(100)})
+  ...   info = chain.save(1, {'w': jnp.ones(100)})
+  >>> info.step, info.kind, info.changed
+  (1, 'delta', 100)
   """
 
   step: int

@@ -1,1 +1,2 @@
-"""Benchmarks behind ``python -m jsparse.benchmarks``: each a ratio measured side by side in one run."""
+"""Benchmarks behind ``python -m jsparse.benchmarks``: each a ratio measured side by side in one
+run."""

@@ -1,4 +1,5 @@
-"""The README's Layout section names every module of the package, and nothing that is gone."""
+"""The package as documented: the README's Layout names every module (and nothing gone), every
+public name has a runnable example, and `import jsparse` stays light."""
 
 import re
 from pathlib import Path
@@ -23,3 +24,22 @@ def test_layout_lists_every_module_and_only_existing_ones():
   assert not modules - listed, f"modules missing from README's Layout: {sorted(modules - listed)}"
   assert not listed - modules, f"README's Layout lists modules that are gone: " \
       f"{sorted(listed - modules)}"
+
+
+def test_every_public_entry_point_has_a_runnable_example():
+  import jsparse
+  missing = [name for name in jsparse.__all__
+             if not isinstance(getattr(jsparse, name), type)
+             or not issubclass(getattr(jsparse, name), Exception)]
+  missing = [name for name in missing if ">>>" not in (getattr(jsparse, name).__doc__ or "")]
+  assert not missing, f"public names without a >>> example: {missing}"
+
+
+def test_import_jsparse_loads_neither_orbax_nor_flax_nor_optax():
+  import subprocess
+  import sys
+  code = ("import sys, jsparse; print(sorted({m.split('.')[0] for m in sys.modules} & "
+          "{'orbax', 'flax', 'optax', 'matplotlib'}))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "[]"

@@ -23,30 +23,11 @@ def _pair(params, **plan_options):
 
 
 def _mixed_tree(seed):
-  """Weights of several scales (exponent classes), a pooled bias, an int leaf and a float8."""
-  rng = np.random.default_rng(seed)
-  return {"w": (rng.normal(size=(300, 200)) * 0.02).astype(np.float32),
-          "emb": rng.normal(size=(100, 64)).astype(np.float32),
-          "b": (rng.normal(size=(200,)) * 1e-3).astype(np.float32),
-          "steps": rng.integers(0, 100, size=(7,)).astype(np.int32),
-          "f8": rng.normal(size=(50,)).astype(jnp.float8_e4m3fn)}
+  return strategies.mixed_tree(np.random.default_rng(seed))
 
 
 def _mixed_plan():
-  return jsparse.make_plan(_mixed_tree(0), rollout_dtype=lambda p, s: jnp.bfloat16
-                           if s.dtype == np.float32 else None, capacity=0.2, bucket_size=1024)
-
-
-def _nudge(rng, tree, density):
-  """An RL-like update: a ``density`` fraction of fp32 elements moves a few ulps."""
-  out = {}
-  for k, v in tree.items():
-    v = np.array(v)
-    if v.dtype == np.float32:
-      moved = rng.random(v.shape) < density
-      v = np.where(moved, v * (1 + rng.normal(size=v.shape) * 2e-2), v).astype(v.dtype)
-    out[k] = v
-  return out
+  return jsparse.make_plan(_mixed_tree(0), capacity=0.2, **strategies.mixed_plan_options())
 
 
 def _tree(rng, dtype=np.float32):
@@ -201,7 +182,7 @@ def test_compilations_per_plan_are_bounded_whatever_the_density(coding):
 def test_decoded_but_wrong_payload_is_caught_end_to_end_and_applies_nothing():
   plan, tree = _mixed_plan(), _mixed_tree(0)
   sender = jsparse.Sender(plan, tree)
-  data = sender.send(_nudge(np.random.default_rng(2), tree, 0.03))
+  data = sender.send(strategies.nudge(np.random.default_rng(2), tree, 0.03))
   payload = framing.decode(plan, data)
   s = next(i for i, p in enumerate(payload.segments) if p.mode == Mode.BY_RANK)
   bad_values = payload.segments[s].values.copy()
@@ -234,7 +215,7 @@ def test_lagging_receiver_catches_up_by_chain_or_anchor(coding):
   rng = np.random.default_rng(6)
   sent, kinds = [], []
   for _ in range(6):
-    tree = _nudge(rng, tree, 0.02)
+    tree = strategies.nudge(rng, tree, 0.02)
     sent.append(sender.send(tree))
     kinds.append(framing.decode(plan, sent[-1]).kind)
   assert kinds == [Kind.DELTA] * 4 + [Kind.ANCHOR, Kind.DELTA]  # version 5 is an anchor
@@ -251,3 +232,23 @@ def test_lagging_receiver_catches_up_by_chain_or_anchor(coding):
   for receiver in (behind, other):
     assert_trees_bitwise_equal(receiver.params, plan.cast(tree))
     assert receiver.version == 6
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"anchor_every": True}, "anchor_every must be an int >= 1"),
+    ({"anchor_every": 0}, "anchor_every must be an int >= 1"),
+    ({"anchor_every": 2.0}, "anchor_every must be an int >= 1"),
+    ({"coding": "bogus"}, "coding must be one of"),
+    ({"coding": 2}, "coding must be one of"),
+])
+def test_bad_options_are_config_errors_that_are_value_errors(options, message):
+  plan = jsparse.make_plan({"w": jnp.zeros(4)})
+  for error in (jsparse.ConfigError, ValueError, jsparse.JsparseError):
+    with pytest.raises(error, match=message):
+      jsparse.Sender(plan, {"w": jnp.zeros(4)}, **options)
+
+
+def test_numpy_ints_are_valid_int_options():
+  plan = jsparse.make_plan({"w": jnp.zeros(4)}, bucket_size=np.int64(2))
+  sender = jsparse.Sender(plan, {"w": jnp.zeros(4)}, anchor_every=np.int32(2))
+  assert sender.anchor_every == 2 and type(sender.anchor_every) is int

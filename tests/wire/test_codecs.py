@@ -4,7 +4,6 @@ import functools
 import struct
 import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,39 +17,16 @@ from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
 
 
-def _tree(seed):
-  """Weights of several scales (exponent classes), a pooled bias, an int leaf and a float8."""
-  rng = np.random.default_rng(seed)
-  return {"w": (rng.normal(size=(300, 200)) * 0.02).astype(np.float32),
-          "emb": rng.normal(size=(100, 64)).astype(np.float32),
-          "b": (rng.normal(size=(200,)) * 1e-3).astype(np.float32),
-          "steps": rng.integers(0, 100, size=(7,)).astype(np.int32),
-          "f8": rng.normal(size=(50,)).astype(jnp.float8_e4m3fn)}
-
-
-def _nudge(rng, tree, density):
-  """An RL-like update: a ``density`` fraction of float elements moves a few ulps."""
-  out = {}
-  for k, v in tree.items():
-    v = np.array(v)
-    if jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize == 4:
-      moved = rng.random(v.shape) < density
-      v = np.where(moved, v * (1 + rng.normal(size=v.shape) * 2e-2), v).astype(v.dtype)
-    out[k] = v
-  return out
-
-
 @functools.lru_cache(maxsize=None)
 def _samples():
   """(plan, valid payloads of both formats, including dense segments and an anchor)."""
-  tree = _tree(0)
-  plan = jsparse.make_plan(tree, rollout_dtype=lambda p, s: jnp.bfloat16 if s.dtype == np.float32
-                           else None, capacity=0.1, bucket_size=1024)
+  tree = strategies.mixed_tree(np.random.default_rng(0))
+  plan = jsparse.make_plan(tree, capacity=0.1, **strategies.mixed_plan_options())
   rng = np.random.default_rng(1)
   payloads = []
   for coding in ("lists", "ranked"):
     sender = jsparse.Sender(plan, tree, coding=coding)
-    new = _nudge(rng, tree, 0.03)
+    new = strategies.nudge(rng, tree, 0.03)
     payloads.append(sender.send(new))
     payloads.append(sender.send(dict(new, w=new["w"] + 1.0)))  # w overflows: dense
     payloads.append(sender.send(new, full=True))

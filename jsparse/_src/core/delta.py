@@ -54,6 +54,12 @@ class Delta(NamedTuple):
     overflow: ``bool[num_segments]``, whether a segment (or one of its blocks) had more changes
       than its capacity: those segments are incomplete here and must be carried densely
       (``Sender`` does that).
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(6)}, capacity=2)
+  >>> delta = jsparse.diff(plan, {'w': jnp.zeros(6)}, {'w': jnp.zeros(6).at[4].set(1.0)})
+  >>> delta.indices[0].tolist(), delta.values[0].tolist(), delta.counts.tolist()
+  ([4, 6, 6, 6, 6, 6], [1065353216, 0, 0, 0, 0, 0], [1])
   """
 
   indices: tuple[jax.Array, ...]

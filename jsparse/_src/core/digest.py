@@ -75,6 +75,10 @@ def bits_digest(leaves: Sequence[jax.Array],
 
   ``layouts`` (static) says which leaves are split into blocks over a mesh; those are digested
   block by block on the devices that hold them, without gathering.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> jsparse.bits_digest([jnp.zeros(3)]).shape
+  (2,)
   """
   total = jnp.zeros((2,), jnp.uint32)
   for leaf_id, leaf in enumerate(leaves):

@@ -54,6 +54,11 @@ class LeafSpec:
       works block by block on it.
     rollout_split: whether the rollout splits the leaf into blocks (from ``make_plan``'s
       ``rollout_shardings``); such leaves are not coded in exponent order.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> leaf = jsparse.make_plan({'w': jnp.zeros((2, 3))}, rollout_dtype=jnp.bfloat16).leaves[0]
+  >>> leaf.path, leaf.size, leaf.dtype.name, leaf.rollout_dtype.name
+  ("['w']", 6, 'float32', 'bfloat16')
   """
 
   path: str
@@ -82,6 +87,11 @@ class Segment:
       ``capacity // blocks`` slots.
     ordered: whether its changes can be named by rank in an order of the whole segment (float
       leaves that neither side splits into blocks); otherwise they are named by position.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'a': jnp.zeros(3), 'b': jnp.zeros(5, jnp.int32)})
+  >>> [(s.leaf_ids, s.offsets, s.size, s.ordered) for s in plan.segments]
+  [((0,), (0,), 3, True), ((1,), (0,), 5, False)]
   """
 
   leaf_ids: tuple[int, ...]

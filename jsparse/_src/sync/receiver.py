@@ -19,7 +19,6 @@ place when donated), and verify the digest of the result against the sender's.
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.delta import commit_leaves, layouts_of

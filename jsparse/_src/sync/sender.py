@@ -33,7 +33,8 @@ from jsparse._src.sync import programs
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes)
 from jsparse._src.wire import framing
-from jsparse._src.wire.payload import Coding, Kind, Payload, segment_host_bits, segment_records
+from jsparse._src.wire.payload import (Coding, Kind, Payload, segment_host_bits,
+                                       segment_records)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,14 @@ class SendStats:
     overflowed_segments: segments carried densely because they overflowed their capacity.
     anchor: whether the payload is an anchor (every segment dense).
     payload_bytes: the payload's size (None after :meth:`Sender.payload`, which makes no bytes).
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(100)})
+  >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(100)})
+  >>> _ = sender.send({'w': jnp.zeros(100).at[:3].set(1.0)})
+  >>> stats = sender.last_stats
+  >>> stats.version, stats.changed, stats.density, stats.anchor
+  (1, 3, 0.03, False)
   """
 
   version: int

@@ -34,6 +34,12 @@ class SyncState(NamedTuple):
     digest: ``uint32[2]``, the digest of ``params``' bit patterns.
     plan: ``uint8[16]``, the plan's fingerprint.
     params: the synced tree, in rollout dtypes.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(3)})
+  >>> state = jsparse.SyncState.of(plan, 5, bytes(8), {'w': jnp.zeros(3)})
+  >>> int(state.version), state.digest.tolist(), state._fields
+  (5, [0, 0], ('version', 'digest', 'plan', 'params'))
   """
 
   version: Any

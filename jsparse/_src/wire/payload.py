@@ -72,6 +72,11 @@ class Coding(str, enum.Enum):
     over the params on either side, any rollout layout can apply it.
   - ``LISTS``: format 1, positions and raw new bits: 4 B/change for 16-bit dtypes, the least
     device work; for fast links.
+
+  >>> import jsparse
+  >>> coding = jsparse.Coding("positioned")
+  >>> coding.format, coding.ranked
+  (<Format.COMPACT: 2>, False)
   """
   RANKED = "ranked"
   POSITIONED = "positioned"
@@ -144,7 +149,8 @@ def segment_host_bits(plan: Plan, segment_id: int, flat: Sequence) -> np.ndarray
 
 
 def segment_records(plan: Plan, coding: Coding, delta: Delta, old_values: Sequence[np.ndarray],
-                    ranks: Sequence[np.ndarray | None] | None, *, dense: Callable[[int], np.ndarray],
+                    ranks: Sequence[np.ndarray | None] | None, *,
+                    dense: Callable[[int], np.ndarray],
                     full: bool = False) -> tuple[SegmentPayload, ...]:
   """The records of a diff on the host.
 

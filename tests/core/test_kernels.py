@@ -1,0 +1,95 @@
+"""The device kernels, tested directly against plain references: first-K selection, exponent-class
+ranks and positions, ulp codes, bit views and the digest."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jsparse._src.core import bits as bits_lib
+from jsparse._src.core.digest import bits_digest
+from jsparse._src.core.layout import Layout
+from jsparse._src.core.select import first_set_positions
+from jsparse._src.wire import ranks, ulp_codes
+from tests import strategies
+from tests.meshes import place
+
+
+@settings(max_examples=40)
+@given(st.integers(1, 3000), st.floats(0.0, 1.0), st.integers(1, 400), st.integers(0, 2**32 - 1))
+def test_first_set_positions_equal_nonzero(size, density, capacity, seed):
+  mask = np.random.default_rng(seed).random(size) < density
+  positions, count = jax.jit(first_set_positions, static_argnums=1)(jnp.asarray(mask), capacity)
+  (expected,) = jnp.nonzero(mask, size=capacity, fill_value=size)
+  assert positions.tolist() == expected.tolist()
+  assert int(count) == int(mask.sum())
+
+
+def _bf16_bits_with_every_class(rng, size):
+  """bf16 bit patterns whose exponents span all 16 classes (and beyond, both clipped ends),
+  with random signs and mantissas, NaNs, infs and zeros."""
+  exponent = rng.integers(100, 140, size=size)  # classes are exponents 112..127, clipped
+  bits = (rng.integers(0, 2, size) << 15) | (exponent << 7) | rng.integers(0, 128, size)
+  bits = bits.astype(np.uint16)
+  specials = strategies.special_values(jnp.bfloat16).view(np.uint16)
+  where = rng.choice(size, min(size, len(specials)), replace=False)
+  bits[where] = specials[:len(where)]
+  return bits
+
+
+@settings(max_examples=25)
+@given(st.integers(1, 2000).filter(lambda n: n % 256), st.integers(0, 2**32 - 1))
+def test_positions_of_ranks_of_is_the_identity_and_ranks_sort_by_class(size, seed):
+  bits = _bf16_bits_with_every_class(np.random.default_rng(seed), size)
+  classes = ulp_codes.exponent_class(bits, jnp.bfloat16, np)
+  if size >= 1000:
+    assert len(np.unique(classes)) == ulp_codes.NUM_CLASSES
+
+  @jax.jit
+  def roundtrip(bits, positions):
+    tables = ranks.class_tables(bits, jnp.bfloat16)
+    classes = ulp_codes.exponent_class(bits[positions], jnp.bfloat16, jnp)
+    r = ranks.ranks_of(tables, positions, classes)
+    return r, ranks.positions_of(tables, r)
+
+  r, back = roundtrip(jnp.asarray(bits), jnp.arange(size))
+  assert back.tolist() == list(range(size))
+  # The rank order is (class, position): a stable sort by class.
+  assert r.tolist() == np.argsort(np.argsort(classes, kind="stable"), kind="stable").tolist()
+
+
+@pytest.mark.parametrize("dtype", strategies.ALL_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_ulp_codes_decode_to_the_exact_new_bits_for_any_pair(dtype):
+  rng = np.random.default_rng(0)
+  old = bits_lib.np_to_bits(strategies.with_specials(rng, strategies.random_bits(rng, 5000, dtype)))
+  new = bits_lib.np_to_bits(strategies.with_specials(rng, strategies.random_bits(rng, 5000, dtype)))
+  codes = ulp_codes.ulp_codes(old, new, dtype, np)
+  assert np.array_equal(ulp_codes.apply_ulp_codes(old, codes, dtype, np), new)
+  assert np.array_equal(ulp_codes.unzigzag(ulp_codes.zigzag(codes)), codes)
+  on_device = ulp_codes.apply_ulp_codes(jnp.asarray(old), jnp.asarray(codes), dtype, jnp)
+  assert np.array_equal(np.asarray(on_device), new)
+
+
+@pytest.mark.parametrize("dtype", strategies.ALL_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_bit_views_roundtrip_every_pattern_on_device(dtype):
+  rng = np.random.default_rng(1)
+  x = strategies.with_specials(rng, strategies.random_bits(rng, 4096, dtype))
+  bits = jax.jit(bits_lib.to_bits)(jnp.asarray(x))
+  assert np.array_equal(np.asarray(bits), bits_lib.np_to_bits(x))
+  back = jax.jit(bits_lib.from_bits, static_argnums=1)(bits, np.dtype(dtype))
+  assert np.array_equal(bits_lib.np_to_bits(np.asarray(back)), bits_lib.np_to_bits(x))
+
+
+def test_digest_sees_every_single_bit_and_is_the_same_block_by_block():
+  rng = np.random.default_rng(2)
+  w = rng.normal(size=(64, 96)).astype(np.float32)
+  reference = np.asarray(bits_digest([jnp.asarray(w)]))
+  for flat_index, bit in [(0, 0), (3000, 31), (6143, 17)]:
+    flipped = w.copy()
+    flipped.reshape(-1).view(np.uint32)[flat_index] ^= np.uint32(1 << bit)
+    assert not np.array_equal(np.asarray(bits_digest([jnp.asarray(flipped)])), reference)
+  sharded = place({"w": w}, "fsdp2xtp2")["w"]
+  layout = Layout.of(sharded.sharding, w.shape)
+  assert layout is not None and layout.blocks == 4
+  assert np.array_equal(np.asarray(bits_digest([sharded], [layout])), reference)
