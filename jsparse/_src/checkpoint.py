@@ -34,19 +34,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jsparse._src import chain_meta
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import CheckpointError, JsparseError
 from jsparse._src.options import int_option
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync.receiver import Receiver
 from jsparse._src.sync.sender import Sender
-from jsparse._src.sync.state import digest_bytes
+from jsparse._src.sync.state import from_storable, storable, storable_shapes
 from jsparse._src.wire.payload import (Coding, Format, Kind, Mode, Payload, SegmentPayload,
                                        check_records)
-
-_FORMAT = 2
-_MODES = {Mode.EMPTY: "empty", Mode.BY_POSITION: "sparse", Mode.DENSE: "dense"}
-_MODE_IDS = {v: k for k, v in _MODES.items()}
 
 
 class SaveInfo(NamedTuple):
@@ -97,7 +94,7 @@ def _payload_from_arrays(plan: Plan, meta: dict, arrays: dict) -> Payload:
   gap_at, value_at = 0, dict.fromkeys(values, 0)
   segments = []
   for seg, mode_name, count in zip(plan.segments, meta["modes"], meta["counts"]):
-    mode = _MODE_IDS[mode_name]
+    mode = chain_meta.MODE_IDS[mode_name]
     count = seg.size if mode == Mode.DENSE else int(count)
     name = seg.bit_dtype.name
     part_values = values[name][value_at[name]:value_at[name] + count]
@@ -193,13 +190,11 @@ class DeltaCheckpointManager:
         raise CheckpointError(f"step {step} is not in {self.directory}")
       try:
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = dict(meta["meta"])
-        _check_meta(meta, step, self.plan)
-      except JsparseError:
-        raise
+        meta = meta["meta"]
       except Exception as e:  # Orbax raises many kinds for a damaged directory
         raise CheckpointError(f"step {step}: metadata unreadable ({type(e).__name__}: {e})") from e
-      self._meta[step] = meta
+      self._meta[step] = chain_meta.check(dict(meta) if isinstance(meta, dict) else meta, step,
+                                          self.plan)
     return self._meta[step]
 
   def chain(self, step: int) -> list[int]:
@@ -209,11 +204,16 @@ class DeltaCheckpointManager:
       CheckpointError: a step of the chain is missing or unreadable (named in the message).
     """
     steps = [step]
-    while self.meta(steps[-1])["kind"] == "delta":
-      parent = self.meta(steps[-1])["parent"]
+    while self.meta(steps[-1])["kind"] == "delta":  # parents are earlier steps: this ends
+      meta = self.meta(steps[-1])
+      parent = meta["parent"]
       if parent not in self._manager.all_steps():
         raise CheckpointError(f"step {parent} is missing: step {steps[-1]} is a delta on it, so "
                               f"step {step} cannot be restored")
+      if self.meta(parent)["base"] != meta["base"] or self.meta(parent)["digest"] != \
+          meta["parent_digest"]:
+        raise CheckpointError(f"step {steps[-1]}: its parent {parent} is not the step it was "
+                              "saved on (another chain's step, or corrupted)")
       steps.append(parent)
     return steps[::-1]
 
@@ -236,17 +236,15 @@ class DeltaCheckpointManager:
     chain_length = len(self.chain(sender.version)) if sender is not None else 0
     if force_base or sender is None or chain_length > self.rebase_every:
       sender = Sender(self.plan, params, version=step, coding=Coding.POSITIONED)
-      meta = {"kind": "base", "base": step, "parent": None, "changed": self.plan.num_elements}
-      items = {"params": ocp.args.StandardSave(sender.snapshot)}
+      meta = chain_meta.base_meta(self.plan, step=step, digest=sender.digest)
+      items = {"params": ocp.args.StandardSave(storable(self.plan, sender.snapshot))}
+      if not self.plan.leaves:
+        items = {}  # Orbax refuses an empty item; the meta says it all
     else:
       payload = sender.payload(params, version=step)
-      meta = {"kind": "delta", "base": self.meta(payload.base_version)["base"],
-              "parent": payload.base_version, "parent_digest": payload.base_digest.hex(),
-              "modes": [_MODES[p.mode] for p in payload.segments],
-              "counts": [p.count for p in payload.segments],
-              "changed": sender.last_stats.changed}
+      meta = chain_meta.delta_meta(self.plan, payload, changed=sender.last_stats.changed,
+                                   base=self.meta(payload.base_version)["base"])
       items = {"delta": ocp.args.StandardSave(payload_arrays(self.plan, payload))}
-    meta = self._meta_of(step, meta, sender)
     self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items),
                        force=True)
     self._manager.wait_until_finished()
@@ -271,8 +269,10 @@ class DeltaCheckpointManager:
     if step is None:
       raise CheckpointError(f"no checkpoint in {self.directory}")
     steps = self.chain(step)
-    target = ocp.args.StandardRestore(self.plan.rollout_shapes(shardings))
-    base = self._restore_item(steps[0], "params", target)
+    base = self.plan.rollout_shapes(shardings)  # an empty tree, when the plan has no leaves
+    if self.plan.leaves:
+      target = ocp.args.StandardRestore(storable_shapes(self.plan, shardings))
+      base = from_storable(self.plan, self._restore_item(steps[0], "params", target))
     try:
       receiver = Receiver(self.plan, base, version=steps[0])
     except JsparseError as e:
@@ -298,12 +298,8 @@ class DeltaCheckpointManager:
                             f"({type(e).__name__}: {e})") from e
 
   def _check_digest(self, step: int, receiver: Receiver) -> None:
-    if digest_bytes(receiver.state().digest).hex() != self.meta(step)["digest"]:
+    if receiver.digest.hex() != self.meta(step)["digest"]:
       raise CheckpointError(f"step {step}: restored base does not match its digest (corrupted)")
-
-  def _meta_of(self, step: int, meta: dict, sender: Sender) -> dict:
-    return {"jsparse_chain": _FORMAT, "step": step, "plan": self.plan.fingerprint.hex(),
-            "digest": digest_bytes(sender.state().digest).hex(), **meta}
 
   def _resume(self, params: PyTree) -> Sender | None:
     """A sender holding the newest step, restored where ``params`` live (None: start a base)."""
@@ -314,6 +310,9 @@ class DeltaCheckpointManager:
         lambda x: x.sharding if isinstance(x, jax.Array) else None, params)
     try:
       restored = self.restore(latest, shardings=shardings)
+    except chain_meta.ForeignPlanError as e:
+      raise CheckpointError(f"{self.directory} holds steps saved with another plan; save this "
+                            f"plan's chain in another directory ({e})") from e
     except CheckpointError as e:
       logging.warning("jsparse: cannot continue the chain of step %d (%s); starting a base",
                       latest, e)
@@ -326,19 +325,13 @@ class DeltaCheckpointManager:
     steps = self.all_steps()
     keep = set()
     for step in steps[-self.max_to_keep:]:
-      keep.update(self.chain(step))
+      try:
+        keep.update(self.chain(step))
+      except CheckpointError as e:  # a damaged old step: delete nothing, say so
+        logging.warning("jsparse: retention skipped, step %d's chain is unreadable (%s)", step, e)
+        return
     for step in steps:
       if step not in keep:
         self._manager.delete(step)
         self._meta.pop(step, None)
 
-
-def _check_meta(meta: dict, step: int, plan: Plan) -> None:
-  if meta.get("jsparse_chain") != _FORMAT or meta.get("step") != step:
-    raise CheckpointError(f"step {step}: not a jsparse chain step (metadata {sorted(meta)[:8]})")
-  if meta.get("plan") != plan.fingerprint.hex():
-    raise CheckpointError(f"step {step} was saved with another plan (fingerprint differs)")
-  if meta["kind"] == "delta" and (len(meta["modes"]) != len(plan.segments)
-                                  or len(meta["counts"]) != len(plan.segments)
-                                  or any(m not in _MODE_IDS for m in meta["modes"])):
-    raise CheckpointError(f"step {step}: delta metadata does not match the plan's segments")

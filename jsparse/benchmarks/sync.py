@@ -35,7 +35,7 @@ import zstandard
 
 import jsparse
 from jsparse._src.core import bits as bits_lib
-from jsparse._src.core.delta import apply_program, layouts_of
+from jsparse._src.core.delta import apply_program, diff_program, layouts_of
 from jsparse._src.sync import programs
 from jsparse._src.wire import framing
 from jsparse._src.wire.payload import (Coding, Kind, Payload, segment_host_bits,
@@ -283,7 +283,7 @@ def core_budgets(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 5) 
       "compare-and-count (floor)": (_best(floor, lambda: (plan, snapshot, after), repeats),
                                     _temp(floor, plan, snapshot, after)),
       "jsparse.diff": (_best(jsparse.diff, lambda: (plan, snapshot, after), repeats),
-                       _temp(jsparse.diff, plan, snapshot, after)),
+                       _temp(diff_program, plan, snapshot, after)),
       "dense bf16 copy": (_best(dense_copy, lambda: (after,), repeats),
                           _temp(dense_copy, after)),
       "jsparse.apply (donated)": (_best(apply, lambda: (_copy(snapshot), delta), repeats),

@@ -56,7 +56,7 @@ def test_no_device_materializes_a_full_leaf():
   t_base = place({"w": base, "emb": base}, "fsdp8")
   plan = jsparse.make_plan(t_base, rollout_dtype=jnp.bfloat16, capacity=0.05)
   shard_bytes = base.nbytes // 8 * 2  # two fp32 leaves split 8 ways
-  diff_temp = _per_device_temp(jsparse.diff, plan, t_base, t_base)
+  diff_temp = _per_device_temp(delta_lib.diff_program, plan, t_base, t_base)
   r_base = place(jax.tree.map(np.asarray, plan.cast({"w": base, "emb": base})), "dp2xtp4")
   delta = jsparse.diff(plan, t_base, t_base)
   r_flat = plan.flatten(r_base, what="rollout")

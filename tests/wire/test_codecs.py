@@ -140,11 +140,14 @@ def test_compact_format_with_special_values_of_every_dtype(dtype):
 
 
 def test_varints_roundtrip_and_refuse_overlong_or_short():
-  values = np.array([0, 1, 127, 128, 16383, 16384, 2**31 - 1, 2**34], np.int64)
-  assert compact.varint_decode(compact.varint_encode(values), 8, "t", 2**35).tolist() == \
-      values.tolist()
+  values = np.array([0, 1, 127, 128, 16383, 16384, 2**31 - 1, 2**34, 2**35, 2**63, 2**64 - 1],
+                    np.uint64)
+  assert compact.varint_decode(compact.varint_encode(values), len(values), "t", 2**64).tolist() \
+      == values.tolist()
   for data, count in [(b"\x80", 1), (b"\x01\x02", 1), (b"\xff" * 5 + b"\x01", 1), (b"", 1)]:
     with pytest.raises(jsparse.PayloadError):
       compact.varint_decode(data, count, "t", 2**35)
-  with pytest.raises(jsparse.PayloadError, match="not below"):
+  with pytest.raises(jsparse.PayloadError, match="at or above"):
     compact.varint_decode(compact.varint_encode(np.array([2**31])), 1, "t", 2**31)
+  with pytest.raises(jsparse.PayloadError, match="at or above"):  # bits past 64 in byte 10
+    compact.varint_decode(b"\xff" * 9 + b"\x02", 1, "t", 2**64)

@@ -25,8 +25,13 @@ def is_supported_dtype(dtype: np.dtype) -> bool:
   dtype = np.dtype(dtype)
   if dtype == np.bool_:
     return True
-  is_numeric = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-  return bool(is_numeric) and dtype.itemsize in _UINT_BY_BYTES
+  if jnp.issubdtype(dtype, jnp.integer):
+    bits = jnp.iinfo(dtype).bits
+  elif jnp.issubdtype(dtype, jnp.floating):
+    bits = jnp.finfo(dtype).bits
+  else:
+    return False
+  return dtype.itemsize in _UINT_BY_BYTES and bits == 8 * dtype.itemsize  # no int4, float4
 
 
 def is_float(dtype: np.dtype) -> bool:

@@ -25,10 +25,11 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.blocks import apply_blocks, diff_blocks
-from jsparse._src.core.layout import Layout
+from jsparse._src.core.layout import Layout, mesh_neutral
 from jsparse._src.core.plan import LeafSpec, Plan, Segment
 from jsparse._src.core.select import changed_elements
 from jsparse._src.errors import PlanMismatchError
@@ -118,6 +119,12 @@ def diff_flat(plan: Plan, base: list, new: list) -> Delta:
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def diff_program(plan: Plan, base: PyTree, new: PyTree) -> Delta:
+  """The jitted program behind :func:`diff` (plan static)."""
+  return diff_flat(plan, plan.flatten(base, what="base"), plan.flatten(new, what="new"))
+
+
+@mesh_neutral
 def diff(plan: Plan, base: PyTree, new: PyTree) -> Delta:
   """Computes the sparse, bit-exact difference from ``base`` to ``new`` in rollout dtypes.
 
@@ -141,7 +148,9 @@ def diff(plan: Plan, base: PyTree, new: PyTree) -> Delta:
   >>> delta.counts.tolist(), delta.overflow.tolist(), delta.indices[0][:3].tolist()
   ([20], [True], [0, 50, 100])
   """
-  return diff_flat(plan, plan.flatten(base, what="base"), plan.flatten(new, what="new"))
+  check_layouts(plan, plan.flatten(base, what="base"), what="base")
+  check_layouts(plan, plan.flatten(new, what="new"), what="new")
+  return diff_program(plan, base, new)
 
 
 def check_delta(plan: Plan, delta: Delta) -> None:
@@ -159,14 +168,101 @@ def check_delta(plan: Plan, delta: Delta) -> None:
             f"expects {dtype}[{seg.capacity}]")
 
 
-def commit_leaves(flat: list) -> list[jax.Array]:
-  """Commits every leaf to where it is (no copy for jax arrays; numpy goes to the default device).
+def _is_traced(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
 
-  jit caches by committedness too: committing up front keeps later calls, whose inputs are jit
-  outputs or ``device_put`` results (committed), on the first compilation.
+
+def _splits_nothing(sharding: Any) -> bool:
+  """A NamedSharding whose spec names only mesh axes of size 1: every device holds the whole
+  array, though an Explicit mesh types it as sharded (and then refuses e.g. a cumsum)."""
+  if not isinstance(sharding, NamedSharding):
+    return False
+  axes = [a for entry in sharding.spec if entry is not None
+          for a in ((entry,) if isinstance(entry, str) else entry)]
+  return bool(axes) and all(sharding.mesh.shape[a] == 1 for a in axes)
+
+
+def commit_leaves(flat: list) -> list:
+  """Places every leaf where one jitted program can take them all, moving no data.
+
+  Committed arrays stay where they are; a leaf whose sharding splits nothing (only size-1 mesh
+  axes) is relabelled replicated on its mesh; uncommitted leaves (numpy, plain ``jnp``) go
+  replicated onto the mesh the other leaves live on, else to the default device. Traced leaves
+  (inside the caller's ``jit``) are left alone. jit caches by committedness too: committing up
+  front keeps later calls, whose inputs are jit outputs (committed), on the first compilation.
   """
-  return [jax.device_put(x, x.sharding) if isinstance(x, jax.Array)
-          else jax.device_put(x, jax.devices()[0]) for x in flat]
+  meshes = [x.sharding.mesh for x in flat if isinstance(x, jax.Array) and not _is_traced(x)
+            and isinstance(x.sharding, NamedSharding) and getattr(x, "committed", True)]
+  default = (NamedSharding(meshes[0], PartitionSpec()) if meshes
+             else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  out = []
+  for x in flat:
+    if _is_traced(x):
+      out.append(x)
+    elif not isinstance(x, jax.Array) or not getattr(x, "committed", True):
+      out.append(jax.device_put(x, default))
+    elif _splits_nothing(x.sharding):
+      out.append(jax.device_put(x, NamedSharding(x.sharding.mesh, PartitionSpec())))
+    else:
+      out.append(jax.device_put(x, x.sharding))
+  return out
+
+
+def _layout_of(x: Any, leaf: LeafSpec) -> Layout | None:
+  sharding = x.sharding if isinstance(x, jax.Array) else None
+  return Layout.of(sharding, leaf.shape)
+
+
+def check_layouts(plan: Plan, flat: list, *, what: str) -> None:
+  """Raises :class:`PlanMismatchError` naming the first concrete leaf that the plan splits into
+  blocks but that is laid out otherwise (host numpy, replicated, or split on another mesh or
+  axes): the plan's shard-local programs would not fit it."""
+  for x, leaf in zip(flat, plan.leaves):
+    if leaf.layout is None or _is_traced(x):
+      continue
+    actual = _layout_of(x, leaf)
+    if actual != leaf.layout:
+      given = "not split into blocks" if actual is None else f"split as {actual.spec} over " \
+          f"mesh {dict(actual.mesh.shape)}"
+      raise PlanMismatchError(
+          f"{what}: leaf {leaf.path} is {given}, the plan splits it as {leaf.layout.spec} over "
+          f"mesh {dict(leaf.layout.mesh.shape)}: pass arrays with the plan's shardings, or make "
+          "the plan from these arrays")
+
+
+def place_on_plan_layouts(plan: Plan, flat: list) -> list:
+  """``flat`` with every leaf the plan splits into blocks placed on the plan's layout (a copy
+  only where it is laid out otherwise: e.g. a state restored onto the default device)."""
+  out = []
+  for x, leaf in zip(flat, plan.leaves):
+    if leaf.layout is not None and not _is_traced(x) and _layout_of(x, leaf) != leaf.layout \
+        and isinstance(leaf.layout.mesh, jax.sharding.Mesh):
+      x = jax.device_put(x, NamedSharding(leaf.layout.mesh, leaf.layout.spec))
+    out.append(x)
+  return out
+
+
+def owned_leaves(flat: list) -> list:
+  """Copies of ``flat``'s leaves that nobody else holds (same shardings), for a caller that
+  will donate them: the caller's arrays, tied weights (one array at two leaves) and arrays
+  shared with a sender in the same process stay alive."""
+  return _copy_leaves(flat)
+
+
+@jax.jit
+def _copy_leaves(flat: list) -> list:
+  return [jnp.copy(x) for x in flat]
+
+
+def distinct_buffers(flat: list) -> list:
+  """``flat`` with every leaf that repeats an earlier one (tied weights) copied, so that a
+  donating program does not donate one buffer twice."""
+  seen: set[int] = set()
+  out = []
+  for x in flat:
+    out.append(jnp.copy(x) if id(x) in seen else x)
+    seen.add(id(x))
+  return out
 
 
 def layouts_of(plan: Plan, flat: list) -> tuple[Layout | None, ...]:
@@ -237,6 +333,7 @@ def apply_program(donate: bool) -> Callable:
   return _APPLY_PROGRAMS[bool(donate)]
 
 
+@mesh_neutral
 def apply(plan: Plan, base: PyTree, delta: Delta, *, donate: bool = False) -> PyTree:
   """Writes the changes of ``delta`` into ``base`` (a tree in rollout dtypes).
 
@@ -264,7 +361,10 @@ def apply(plan: Plan, base: PyTree, delta: Delta, *, donate: bool = False) -> Py
   >>> jsparse.apply(plan, plan.cast(old), delta)['w'].tolist()
   [0.0, 2.0, 0.0, -0.0]
   """
-  flat = commit_leaves(plan.flatten(base, what="base", rollout_only=True))
+  flat = plan.flatten(base, what="base", rollout_only=True)
+  if any(_is_traced(x) for x in [*flat, *jax.tree.leaves(delta)]):  # inside the caller's jit
+    return _apply_tree(plan, layouts_of(plan, flat), base, delta)
+  flat = commit_leaves(distinct_buffers(flat) if donate else flat)
   layouts = layouts_of(plan, flat)
   delta = _colocate(plan, delta, flat)
   base = jax.tree.unflatten(plan.treedef, flat)

@@ -14,22 +14,33 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """How a leaf is split into blocks over a mesh: the mesh axes that split each dimension."""
 
-  mesh: Mesh
+  mesh: Mesh | AbstractMesh
   dim_axes: tuple[tuple[str, ...], ...]
+
+  def __reduce__(self):
+    """Pickles the mesh by axis names, sizes, types and device ids (devices do not pickle)."""
+    mesh = self.mesh
+    device_ids = (tuple(int(d.id) for d in mesh.devices.flat) if isinstance(mesh, Mesh)
+                  else None)
+    return (_rebuild_layout, (tuple(mesh.axis_names), tuple(mesh.axis_sizes),
+                              tuple(t.name for t in mesh.axis_types), device_ids, self.dim_axes))
 
   @staticmethod
   def of(sharding, shape: tuple[int, ...]) -> "Layout | None":
@@ -74,4 +85,49 @@ class Layout:
     return starts
 
   def shard_map(self, fn: Callable, in_specs, out_specs) -> Callable:
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+    """``fn`` mapped over this layout's mesh, whatever mesh the caller has set (``set_mesh``)."""
+    mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def run(*args):
+      with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+        return mapped(*args)
+    return run
+
+
+@contextlib.contextmanager
+def no_context_mesh() -> Iterator[None]:
+  """Runs jsparse's programs with no context mesh: their arrays keep the meshes they live on
+  (trainer and rollout meshes may differ) whatever mesh the caller set with ``jax.set_mesh``.
+  Inside the caller's ``shard_map`` (manual axes) the context is kept: there the leaves are
+  local blocks."""
+  if jax.sharding.get_abstract_mesh().manual_axes:
+    yield
+    return
+  try:
+    context = jax.set_mesh(None)  # clears the concrete mesh too; refused under jit
+  except ValueError:
+    context = jax.sharding.use_abstract_mesh(AbstractMesh((), ()))
+  with context:
+    yield
+
+
+def mesh_neutral(fn: Callable) -> Callable:
+  """``fn`` run under :func:`no_context_mesh` (a public entry point)."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with no_context_mesh():
+      return fn(*args, **kwargs)
+  return wrapped
+
+
+def _rebuild_layout(axis_names: tuple, axis_sizes: tuple, axis_types: tuple,
+                    device_ids: tuple | None, dim_axes: tuple) -> Layout:
+  """Inverse of ``Layout.__reduce__``: the same mesh where this process has its devices (one
+  process, or the same job), else an ``AbstractMesh`` of the same shape (enough to check
+  payloads and fingerprints; diffing on it needs the real devices)."""
+  types = tuple(jax.sharding.AxisType[t] for t in axis_types)
+  by_id = {d.id: d for d in jax.devices()}
+  if device_ids is not None and all(i in by_id for i in device_ids):
+    devices = np.array([by_id[i] for i in device_ids]).reshape(axis_sizes)
+    return Layout(Mesh(devices, axis_names, axis_types=types), dim_axes)
+  return Layout(AbstractMesh(axis_sizes, axis_names, axis_types=types), dim_axes)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse._src.core import bits as bits_lib
-from jsparse._src.core.layout import Layout
+from jsparse._src.core.layout import Layout, mesh_neutral
 from jsparse._src.errors import ConfigError, PlanError, PlanMismatchError
 from jsparse._src.options import int_option
 from jsparse._src.pytree import PyTree
@@ -152,6 +152,14 @@ class Plan:
   def __hash__(self) -> int:
     return self._hash
 
+  def __getstate__(self) -> dict:
+    """Pickles the fields only: a hash cached in one process is not valid in another."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  def __setstate__(self, state: dict) -> None:
+    for name, value in state.items():
+      object.__setattr__(self, name, value)
+
   @functools.cached_property
   def fingerprint(self) -> bytes:
     """16 bytes that identify the plan's layout; payloads carry it so a receiver with another plan
@@ -177,9 +185,10 @@ class Plan:
 
   def rollout_shapes(self, shardings: PyTree | None = None) -> PyTree:
     """The tree of ``jax.ShapeDtypeStruct`` the rollout side holds, placed by ``shardings`` (a
-    tree of ``jax.sharding.Sharding`` with the plan's structure, or None). This is the abstract
-    target to restore a rollout tree onto, e.g. with Orbax."""
-    placements = [None] * len(self.leaves)
+    tree of ``jax.sharding.Sharding`` with the plan's structure; None: the default device, not
+    wherever the arrays were saved from). This is the abstract target to restore a rollout tree
+    onto, e.g. with Orbax."""
+    placements = [jax.sharding.SingleDeviceSharding(jax.devices()[0])] * len(self.leaves)
     if shardings is not None:
       try:
         placements = self.treedef.flatten_up_to(shardings)
@@ -213,8 +222,8 @@ class Plan:
           f"plan treedef {self.treedef}, got {treedef}")
     flat = []
     for (_, value), leaf in zip(flat_with_path, self.leaves):
-      shape, dtype = tuple(np.shape(value)), np.dtype(getattr(value, "dtype", None)
-                                                      or np.asarray(value).dtype)
+      shape = tuple(np.shape(value))
+      dtype = _canonical(getattr(value, "dtype", None) or np.asarray(value).dtype)
       if shape != leaf.shape:
         raise PlanMismatchError(
             f"{what}: leaf {leaf.path} has shape {shape}, the plan expects {leaf.shape}")
@@ -226,6 +235,7 @@ class Plan:
       flat.append(value)
     return flat
 
+  @mesh_neutral
   def cast(self, tree: PyTree) -> PyTree:
     """Casts every leaf of ``tree`` to its rollout dtype (what the rollout side holds)."""
     flat = self.flatten(tree, what="tree")
@@ -237,6 +247,15 @@ class Plan:
     return {leaf_id: (seg_id, offset)
             for seg_id, seg in enumerate(self.segments)
             for leaf_id, offset in zip(seg.leaf_ids, seg.offsets)}
+
+
+def _canonical(dtype: Any) -> np.dtype:
+  """``dtype`` as JAX holds it (64-bit types are 32-bit without x64); unsupported dtypes as
+  they are, for :func:`make_plan` to name."""
+  try:
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+  except (TypeError, ValueError):
+    return np.dtype(dtype)
 
 
 def _resolve_rollout_dtype(rollout_dtype: RolloutDtype, path: str,
@@ -257,6 +276,7 @@ def _capacity(capacity: float | int, size: int, name: str) -> int:
     if capacity < 1:
       raise ConfigError(f"{name} as a count must be >= 1, got {capacity}")
     return min(size, int(capacity))
+  capacity = float(capacity)  # a float16 fraction times a large size would overflow
   if not 0.0 < capacity <= 1.0:
     raise ConfigError(f"{name} as a fraction must be in (0, 1], got {capacity}")
   return min(size, max(1, math.ceil(capacity * size)))
@@ -300,6 +320,9 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
   [(1, 262144, 5243), (2, 1024, 1024)]
   """
   bucket_size = int_option("bucket_size", bucket_size, minimum=1)
+  if bucket_size > MAX_SEGMENT_ELEMENTS:
+    raise ConfigError(f"bucket_size must be at most {MAX_SEGMENT_ELEMENTS} (int32 indices), got "
+                      f"{bucket_size}")
   flat_with_path, treedef = jax.tree.flatten_with_path(tree)
   rollout_placements = [None] * len(flat_with_path)
   if rollout_shardings is not None:
@@ -315,8 +338,9 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
       raise PlanError(f"leaf {name} is a typed PRNG key; unwrap it with jax.random.key_data")
     if dtype is None:
       value = np.asarray(value)
-    struct = jax.ShapeDtypeStruct(tuple(np.shape(value)), np.dtype(value.dtype))
-    target = _resolve_rollout_dtype(rollout_dtype, name, struct)
+    # As JAX holds it: without x64, a numpy float64 leaf is float32 on device.
+    struct = jax.ShapeDtypeStruct(tuple(np.shape(value)), _canonical(value.dtype))
+    target = _canonical(_resolve_rollout_dtype(rollout_dtype, name, struct))
     layout = Layout.of(getattr(value, "sharding", None), struct.shape)
     for label, d in (("dtype", struct.dtype), ("rollout dtype", target)):
       if not bits_lib.is_supported_dtype(d):

@@ -21,7 +21,8 @@ from __future__ import annotations
 import jax
 
 from jsparse._src.core import bits as bits_lib
-from jsparse._src.core.delta import commit_leaves, layouts_of
+from jsparse._src.core.delta import commit_leaves, layouts_of, owned_leaves
+from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import IntegrityError, PlanMismatchError, VersionError
 from jsparse._src.pytree import PyTree
@@ -35,8 +36,9 @@ from jsparse._src.wire.payload import Kind, Mode, Payload
 class Receiver:
   """Rollout side of a sync: applies payloads from a :class:`Sender` to its params.
 
-  The receiver owns ``params``: with ``donate=True`` (the default) each receive updates the
-  arrays in place, and arrays handed in earlier must not be used afterwards. Every payload is
+  With ``donate=True`` (the default) the receiver copies ``params`` once and then updates its
+  own arrays in place: the arrays handed in stay valid, but :attr:`params` returned by one
+  receive are dead after the next. Every payload is
   validated in full before anything is written (checksum, structure, versions, the base
   digest); the digest of the result is checked after. A payload that fails that last check
   (it passed the checksum, so it was built wrong, not damaged in transit) leaves a
@@ -60,10 +62,13 @@ class Receiver:
   (3, dtype(bfloat16))
   """
 
+  @mesh_neutral
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0, donate: bool = True):
     self.plan = plan
     self.version = check_version(version)
     self._flat = commit_leaves(plan.flatten(params, what="params", rollout_only=True))
+    if donate:  # the receiver donates its buffers: they must be its own
+      self._flat = owned_leaves(self._flat)
     self._layouts = layouts_of(plan, self._flat)
     self._donate = donate
     self._digest = digest_bytes(programs.digest_program(self._flat, self._layouts))
@@ -72,6 +77,11 @@ class Receiver:
   def params(self) -> PyTree:
     """The current rollout params."""
     return jax.tree.unflatten(self.plan.treedef, self._flat)
+
+  @property
+  def digest(self) -> bytes:
+    """The 8-byte digest of this receiver's params' bit patterns."""
+    return self._digest
 
   @property
   def layouts(self) -> tuple:
@@ -110,6 +120,7 @@ class Receiver:
     """
     return self.apply_payload(framing.decode(self.plan, data))
 
+  @mesh_neutral
   def apply_payload(self, payload: Payload) -> PyTree:
     """:meth:`receive` for an already decoded (and validated) payload."""
     self._check_base(payload)
@@ -125,6 +136,9 @@ class Receiver:
 
   def _check_base(self, payload: Payload) -> None:
     """Refuses a payload for another base, or one whose ranks this layout cannot resolve."""
+    if payload.kind == Kind.ANCHOR and payload.version <= self.version:
+      raise VersionError(f"an anchor of version {payload.version} is not newer than this "
+                         f"receiver's version {self.version} (replayed or reordered)")
     if payload.kind == Kind.DELTA:
       if payload.base_version != self.version:
         raise VersionError(f"payload turns version {payload.base_version} into "

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse._src.core.delta import commit_leaves
+from jsparse._src.core.delta import check_layouts, commit_leaves, place_on_plan_layouts
+from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import ConfigError, VersionError
 from jsparse._src.options import int_option
@@ -106,15 +107,17 @@ class Sender:
   (5, 93)
   """
 
+  @mesh_neutral
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0,
                anchor_every: int | None = None, coding: Coding | str = Coding.RANKED):
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.coding = coding_option(coding)
     self.plan = plan
     self.version = check_version(version)
-    flat = commit_leaves(plan.flatten(params, what="params"))
+    flat = place_on_plan_layouts(plan, commit_leaves(plan.flatten(params, what="params")))
     self._snapshot, digest = programs.snapshot_and_digest(plan, flat)
     self._digest = digest_bytes(digest)
+    self._needs_anchor = False  # set when a payload failed after the snapshot moved on
     self.last_stats: SendStats | None = None
 
   def state(self) -> SyncState:
@@ -137,6 +140,11 @@ class Sender:
     return sender
 
   @property
+  def digest(self) -> bytes:
+    """The 8-byte digest of the synced state's bit patterns (what payloads carry)."""
+    return self._digest
+
+  @property
   def snapshot(self) -> PyTree:
     """The last synced state, in rollout dtypes (what the receiver holds)."""
     return jax.tree.unflatten(self.plan.treedef, self._snapshot)
@@ -153,28 +161,41 @@ class Sender:
       PlanMismatchError: ``params`` do not match the plan (the leaf is named).
       VersionError: ``version`` is not newer than the sender's.
     """
-    data = framing.encode(self.plan, self.payload(params, full=full, version=version))
+    payload = self.payload(params, full=full, version=version)
+    try:
+      data = framing.encode(self.plan, payload)
+    except BaseException:
+      self._needs_anchor = True  # the receiver never gets this version: resync with an anchor
+      raise
     self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data))
     return data
 
+  @mesh_neutral
   def payload(self, params: PyTree, *, full: bool = False,
               version: int | None = None) -> Payload:
     """Like :meth:`send`, but returns the decoded payload (what
     :meth:`Receiver.apply_payload` applies), not its bytes."""
-    version = self.version + 1 if version is None else check_version(version)
+    version = check_version(self.version + 1 if version is None else version)
     if version <= self.version:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}")
-    full = full or (self.anchor_every is not None and version % self.anchor_every == 0)
+    full = full or self._needs_anchor or (self.anchor_every is not None
+                                          and version % self.anchor_every == 0)
     flat = commit_leaves(self.plan.flatten(params, what="params"))
+    check_layouts(self.plan, flat, what="params")
     snapshot_ids = {id(x) for x in self._snapshot}  # the snapshot is donated below
     flat = [jnp.copy(x) if id(x) in snapshot_ids else x for x in flat]
     changes, self._snapshot, digest = programs.sender_changes(
         self.plan, self.coding, self._snapshot, flat, ranks=not full)
-    delta, old_values, ranks = jax.device_get(changes)
-    snapshot = self._snapshot
-    segments = segment_records(self.plan, self.coding, delta, old_values, ranks,
-                               dense=lambda s: segment_host_bits(self.plan, s, snapshot),
-                               full=full)
+    snapshot = self._snapshot  # the old one was donated: from here on, only an anchor is exact
+    try:
+      delta, old_values, ranks = jax.device_get(changes)
+      segments = segment_records(self.plan, self.coding, delta, old_values, ranks,
+                                 dense=lambda s: segment_host_bits(self.plan, s, snapshot),
+                                 full=full)
+    except BaseException:
+      self._needs_anchor = True
+      raise
+    self._needs_anchor = False
     new_digest = digest_bytes(digest)
     payload = Payload(Kind.ANCHOR if full else Kind.DELTA, self.version, version, self._digest,
                       new_digest, segments, self.coding.format)

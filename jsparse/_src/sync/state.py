@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
 
+import jax
 import numpy as np
 
 from jsparse._src.core.plan import Plan
@@ -33,7 +34,8 @@ class SyncState(NamedTuple):
     version: ``int64`` scalar, the synced version.
     digest: ``uint32[2]``, the digest of ``params``' bit patterns.
     plan: ``uint8[16]``, the plan's fingerprint.
-    params: the synced tree, in rollout dtypes.
+    params: the synced tree, in rollout dtypes; a zero-size leaf is stored as a one-element
+      placeholder (Orbax refuses zero-size arrays), restored to its shape on resume.
 
   >>> import jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(3)})
@@ -51,7 +53,7 @@ class SyncState(NamedTuple):
   def of(cls, plan: Plan, version: int, digest: bytes, params: PyTree) -> "SyncState":
     """The state of ``params`` at ``version`` with an 8-byte ``digest``."""
     return cls(np.array(version, np.int64), np.frombuffer(digest, "<u4").astype(np.uint32),
-               np.frombuffer(plan.fingerprint, np.uint8).copy(), params)
+               np.frombuffer(plan.fingerprint, np.uint8).copy(), storable(plan, params))
 
 
 def abstract_sync_state(plan: Plan, shardings: PyTree | None = None) -> SyncState:
@@ -64,7 +66,33 @@ def abstract_sync_state(plan: Plan, shardings: PyTree | None = None) -> SyncStat
   dtype(bfloat16)
   """
   return SyncState(np.zeros((), np.int64), np.zeros(2, np.uint32), np.zeros(16, np.uint8),
-                   plan.rollout_shapes(shardings))
+                   storable_shapes(plan, shardings))
+
+
+def storable(plan: Plan, tree: PyTree) -> PyTree:
+  """``tree`` with every zero-size leaf replaced by a one-element placeholder of its dtype:
+  what Orbax can save (it refuses zero-size arrays)."""
+  flat = plan.treedef.flatten_up_to(tree)
+  return jax.tree.unflatten(plan.treedef, [
+      np.zeros((1,), leaf.rollout_dtype) if leaf.size == 0 else x
+      for x, leaf in zip(flat, plan.leaves)])
+
+
+def storable_shapes(plan: Plan, shardings: PyTree | None = None) -> PyTree:
+  """The abstract target of a :func:`storable` rollout tree (see ``Plan.rollout_shapes``)."""
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  flat = jax.tree.leaves(plan.rollout_shapes(shardings))
+  return jax.tree.unflatten(plan.treedef, [
+      jax.ShapeDtypeStruct((1,), s.dtype, sharding=default) if leaf.size == 0 else s
+      for s, leaf in zip(flat, plan.leaves)])
+
+
+def from_storable(plan: Plan, tree: PyTree) -> PyTree:
+  """Inverse of :func:`storable`: placeholders become zero-size leaves of the plan's shapes."""
+  flat = plan.treedef.flatten_up_to(tree)
+  return jax.tree.unflatten(plan.treedef, [
+      np.zeros(leaf.shape, leaf.rollout_dtype) if leaf.size == 0 else x
+      for x, leaf in zip(flat, plan.leaves)])
 
 
 def check_version(version: Any) -> int:
@@ -84,11 +112,16 @@ def check_state(plan: Plan, state: Any, *, rollout_only: bool) -> tuple[int, byt
     raise PlanMismatchError(f"sync state: expected a jsparse.SyncState, got {type(state)}")
   if np.asarray(state.plan, np.uint8).tobytes() != plan.fingerprint:
     raise PlanMismatchError("sync state: it was saved for another plan (fingerprint differs)")
-  plan.flatten(state.params, what="sync state params", rollout_only=rollout_only)
+  try:
+    params = from_storable(plan, state.params)
+  except (ValueError, TypeError) as e:
+    raise PlanMismatchError(f"sync state params: tree structure differs from the plan: {e}") \
+        from e
+  plan.flatten(params, what="sync state params", rollout_only=rollout_only)
   digest = np.asarray(state.digest, np.uint32)
   if digest.shape != (2,):
     raise PlanMismatchError(f"sync state: digest must be uint32[2], got {digest.shape}")
-  return check_version(int(state.version)), digest.astype("<u4").tobytes(), state.params
+  return check_version(int(state.version)), digest.astype("<u4").tobytes(), params
 
 
 def check_digest(actual: bytes, saved: bytes, version: int) -> None:

@@ -35,32 +35,32 @@ from jsparse._src.wire.payload import RECORD, Mode, SegmentPayload
 from jsparse._src.wire.reader import Reader
 
 _STREAM = struct.Struct("<II")
-_MAX_VARINT_BYTES = 5
+_MAX_VARINT_BYTES = 10  # any 64-bit value
 _ESCAPE = 255
 _ZSTD_LEVEL = 3
 
 
 def varint_encode(values: np.ndarray) -> bytes:
-  """LEB128 bytes of non-negative integers below 2**35."""
-  values = np.asarray(values, np.int64)
+  """LEB128 bytes of non-negative integers (any up to 2**64 - 1)."""
+  values = np.asarray(values).astype(np.uint64)
   lengths = np.ones(values.shape, np.int64)
   for k in range(1, _MAX_VARINT_BYTES):
-    lengths += values >= (1 << (7 * k))
+    lengths += values >= np.uint64(1 << (7 * k))
   out = np.empty(int(lengths.sum()), np.uint8)
   starts = np.cumsum(lengths) - lengths
   for k in range(_MAX_VARINT_BYTES):
     has = lengths > k
-    more = (lengths[has] > k + 1).astype(np.int64) << 7
-    out[starts[has] + k] = ((values[has] >> (7 * k)) & 0x7F) | more
+    more = (lengths[has] > k + 1).astype(np.uint64) << np.uint64(7)
+    out[starts[has] + k] = ((values[has] >> np.uint64(7 * k)) & np.uint64(0x7F)) | more
   return out.tobytes()
 
 
 def varint_decode(data: bytes, count: int, what: str, limit: int) -> np.ndarray:
-  """Exactly ``count`` varints filling ``data``, each below ``limit`` (int64).
+  """Exactly ``count`` varints filling ``data``, each below ``limit`` (<= 2**64), as uint64.
 
   Raises:
-    PayloadError: a different number of varints, one longer than 5 bytes, or one at or above
-      ``limit``.
+    PayloadError: a different number of varints, one longer than it can be below ``limit``,
+      or one at or above ``limit``.
   """
   raw = np.frombuffer(data, np.uint8)
   ends = np.flatnonzero(raw < 0x80)
@@ -68,15 +68,25 @@ def varint_decode(data: bytes, count: int, what: str, limit: int) -> np.ndarray:
     raise PayloadError(f"{what}: expected {count} varints in {len(raw)} bytes")
   starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64) if count else ends
   lengths = ends - starts + 1
-  if count and lengths.max() > _MAX_VARINT_BYTES:
-    raise PayloadError(f"{what}: a varint longer than {_MAX_VARINT_BYTES} bytes")
-  values = np.zeros(count, np.int64)
-  for k in range(_MAX_VARINT_BYTES):
+  max_bytes = _varint_bytes(limit - 1)
+  if count and lengths.max() > max_bytes:
+    raise PayloadError(f"{what}: a varint longer than {max_bytes} bytes")
+  values = np.zeros(count, np.uint64)
+  high = np.zeros(count, bool)  # bits past 64 (only a hostile 10-byte varint has them)
+  for k in range(max_bytes):
     has = lengths > k
-    values[has] |= (raw[starts[has] + k].astype(np.int64) & 0x7F) << (7 * k)
-  if count and values.max() >= limit:
-    raise PayloadError(f"{what}: a value of {values.max()} is not below {limit}")
+    part = raw[starts[has] + k].astype(np.uint64) & np.uint64(0x7F)
+    if 7 * k + 7 > 64:
+      high[has] |= (part >> np.uint64(64 - 7 * k)) != 0
+    values[has] |= part << np.uint64(7 * k)
+  if count and (high.any() or int(values.max()) >= limit):
+    raise PayloadError(f"{what}: a value at or above {limit}")
   return values
+
+
+def _varint_bytes(value: int) -> int:
+  """Bytes of the LEB128 coding of ``value``."""
+  return max(1, -(-value.bit_length() // 7))
 
 
 def _pack_stream(raw: bytes) -> bytes:
@@ -96,14 +106,14 @@ def encode_body(plan: Plan, segments: Sequence[SegmentPayload]) -> bytes:
     table.append(RECORD.pack(part.mode if len(keys) else Mode.EMPTY, len(keys)))
     if len(keys):
       gaps.append(np.diff(keys, prepend=-1) - 1)
-      codes.append(ulp_codes.zigzag(np.asarray(part.values, seg.bit_dtype)).astype(np.int64))
+      codes.append(ulp_codes.zigzag(np.asarray(part.values, seg.bit_dtype)).astype(np.uint64))
   gaps_all = np.concatenate(gaps) if gaps else np.zeros(0, np.int64)
-  zigzags = np.concatenate(codes) if codes else np.zeros(0, np.int64)
+  zigzags = np.concatenate(codes) if codes else np.zeros(0, np.uint64)
   escaped = zigzags >= _ESCAPE
   return b"".join(table + [
       _pack_stream(varint_encode(gaps_all)),
       _pack_stream(np.minimum(zigzags, _ESCAPE).astype(np.uint8).tobytes()),
-      _pack_stream(varint_encode(zigzags[escaped] - _ESCAPE))] + dense)
+      _pack_stream(varint_encode(zigzags[escaped] - np.uint64(_ESCAPE)))] + dense)
 
 
 def _unpack_stream(reader: Reader, what: str, max_raw: int) -> bytes:
@@ -147,8 +157,8 @@ def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
   ``payload.check_records`` checks the rest."""
   table = _segment_table(plan, reader)
   total = sum(count for mode, count in table if mode not in (Mode.EMPTY, Mode.DENSE))
-  gaps = varint_decode(_unpack_stream(reader, "gaps stream", _MAX_VARINT_BYTES * total),
-                       total, "gaps stream", 2**31)
+  gaps = varint_decode(_unpack_stream(reader, "gaps stream", _varint_bytes(2**31) * total),
+                       total, "gaps stream", 2**31).astype(np.int64)
   code_bytes = np.frombuffer(_unpack_stream(reader, "codes stream", total), np.uint8)
   if len(code_bytes) != total:
     raise PayloadError(f"codes stream: {len(code_bytes)} codes for {total} changes")
@@ -156,8 +166,8 @@ def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
   num_escaped = int(escaped.sum())
   escapes = varint_decode(
       _unpack_stream(reader, "escapes stream", _MAX_VARINT_BYTES * num_escaped), num_escaped,
-      "escapes stream", 2**32)
-  zigzags = code_bytes.astype(np.int64)
+      "escapes stream", 2**64 - _ESCAPE)
+  zigzags = code_bytes.astype(np.uint64)
   zigzags[escaped] += escapes
   segments, at = [], 0
   for s, (seg, (mode, count)) in enumerate(zip(plan.segments, table)):
@@ -176,7 +186,7 @@ def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
     at += count
     if keys[-1] >= seg.size:
       raise PayloadError(f"{where}: key {keys[-1]} out of range (size {seg.size})")
-    if codes.max() > np.iinfo(seg.bit_dtype).max:
+    if int(codes.max()) > np.iinfo(seg.bit_dtype).max:
       raise PayloadError(f"{where}: an ulp code wider than {seg.bit_dtype}")
     segments.append(SegmentPayload(mode, keys.astype(np.int32),
                                    ulp_codes.unzigzag(codes.astype(seg.bit_dtype))))

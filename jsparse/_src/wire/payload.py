@@ -31,6 +31,7 @@ from jsparse._src.errors import PayloadError
 from jsparse._src.wire import ulp_codes
 
 CHUNK_BITS = 16  # format 1 names positions inside 2**16-element chunks (uint16)
+MAX_VERSION = 2**63  # versions are int64 in a SyncState
 RECORD = struct.Struct("<BI")  # a segment's entry in both formats' bodies: mode u8, count u32
 
 
@@ -191,7 +192,8 @@ def check_records(plan: Plan, payload: Payload) -> Payload:
   """Returns ``payload`` if every record is well formed for ``plan``, else raises.
 
   Raises:
-    PayloadError: naming the segment: a mode of another format, a dense record of the wrong
+    PayloadError: versions that do not increase or reach 2**63; naming the segment: a mode of
+      another format, a dense record of the wrong
       size, indices out of range, unsorted or repeated, more changes than the capacity, ranks
       for a segment that has no rank order, a payload mixing ranks and positions in ordered
       segments, an anchor with sparse records, values of the wrong width.
@@ -199,6 +201,9 @@ def check_records(plan: Plan, payload: Payload) -> Payload:
   if len(payload.segments) != len(plan.segments):
     raise PayloadError(f"payload has {len(payload.segments)} segments, the plan "
                        f"{len(plan.segments)}")
+  if not 0 <= payload.base_version < payload.version < MAX_VERSION:
+    raise PayloadError(f"payload turns version {payload.base_version} into {payload.version}: "
+                       f"versions must increase and stay below 2**63")
   allowed = FORMAT_MODES[payload.format]
   for s, (seg, part) in enumerate(zip(plan.segments, payload.segments)):
     where = plan.describe_segment(s)

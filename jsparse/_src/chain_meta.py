@@ -1,0 +1,119 @@
+"""The JSON metadata of a delta checkpoint chain step: built once per save, checksummed, and
+checked field by field when read, so that a damaged step is a :class:`~jsparse.CheckpointError`
+naming it (never a ``KeyError``, a loop over a cyclic chain, or a wrong restore).
+
+>>> import jax.numpy as jnp, jsparse
+>>> plan = jsparse.make_plan({'w': jnp.zeros(10)})
+>>> meta = base_meta(plan, step=3, digest=bytes(8))
+>>> check(meta, 3, plan)['kind']
+'base'
+>>> check(dict(meta, step=4), 3, plan)
+Traceback (most recent call last):
+...
+jsparse._src.errors.CheckpointError: step 3: metadata corrupted (checksum mismatch)
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+from jsparse._src.core.plan import Plan
+from jsparse._src.errors import CheckpointError
+from jsparse._src.wire.payload import Mode, Payload
+
+FORMAT = 3
+MODES = {Mode.EMPTY: "empty", Mode.BY_POSITION: "sparse", Mode.DENSE: "dense"}
+MODE_IDS = {name: mode for mode, name in MODES.items()}
+
+
+class ForeignPlanError(CheckpointError):
+  """The step was saved with another plan (its fingerprint differs)."""
+
+
+def _crc(meta: dict) -> int:
+  body = {k: v for k, v in meta.items() if k != "crc"}
+  return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def _sealed(meta: dict) -> dict:
+  return dict(meta, crc=_crc(meta))
+
+
+def _common(plan: Plan, step: int, kind: str, digest: bytes, changed: int) -> dict:
+  return {"jsparse_chain": FORMAT, "step": step, "plan": plan.fingerprint.hex(), "kind": kind,
+          "digest": digest.hex(), "changed": changed}
+
+
+def base_meta(plan: Plan, *, step: int, digest: bytes) -> dict:
+  """The metadata of a base step holding the whole tree, whose bits digest to ``digest``."""
+  return _sealed(dict(_common(plan, step, "base", digest, plan.num_elements), base=step,
+                      parent=None))
+
+
+def delta_meta(plan: Plan, payload: Payload, *, base: int, changed: int) -> dict:
+  """The metadata of a delta step: ``payload`` (position-coded) turns its parent into it."""
+  return _sealed(dict(_common(plan, payload.version, "delta", payload.new_digest, changed),
+                      base=base, parent=payload.base_version,
+                      parent_digest=payload.base_digest.hex(),
+                      modes=[MODES[p.mode] for p in payload.segments],
+                      counts=[p.count for p in payload.segments]))
+
+
+def _is_int(value: Any) -> bool:
+  return type(value) is int  # bools and floats are not steps or counts
+
+
+def _is_digest(value: Any) -> bool:
+  if not isinstance(value, str) or len(value) != 16:
+    return False
+  try:
+    bytes.fromhex(value)
+  except ValueError:
+    return False
+  return True
+
+
+def check(meta: Any, step: int, plan: Plan) -> dict:
+  """Returns ``meta`` if it is the intact metadata of ``step`` of a chain of ``plan``.
+
+  Raises:
+    ForeignPlanError: the step was saved with another plan.
+    CheckpointError: anything else: not a chain step, a checksum mismatch, a field missing or
+      of the wrong type, a parent that is not an earlier step, counts that do not fit the plan.
+  """
+  def bad(why: str) -> CheckpointError:
+    return CheckpointError(f"step {step}: metadata corrupted ({why})")
+
+  if not isinstance(meta, dict) or meta.get("jsparse_chain") != FORMAT:
+    raise CheckpointError(f"step {step}: not a jsparse chain step of format {FORMAT}")
+  if meta.get("crc") != _crc(meta):
+    raise bad("checksum mismatch")
+  if meta.get("plan") != plan.fingerprint.hex():
+    raise ForeignPlanError(f"step {step} was saved with another plan (fingerprint differs)")
+  if meta.get("step") != step or meta.get("kind") not in ("base", "delta"):
+    raise bad("step or kind")
+  if not _is_digest(meta.get("digest")) or not _is_int(meta.get("changed")) \
+      or meta["changed"] < 0:
+    raise bad("digest or changed")
+  if meta["kind"] == "base":
+    if meta.get("base") != step or meta.get("parent") is not None:
+      raise bad("a base must be its own base and have no parent")
+    return meta
+  parent, base = meta.get("parent"), meta.get("base")
+  if not (_is_int(parent) and _is_int(base) and 0 <= base <= parent < step):
+    raise bad(f"parent {parent!r} and base {base!r} must be earlier steps")
+  if not _is_digest(meta.get("parent_digest")):
+    raise bad("parent digest")
+  modes, counts = meta.get("modes"), meta.get("counts")
+  if not (isinstance(modes, list) and isinstance(counts, list)
+          and len(modes) == len(counts) == len(plan.segments)):
+    raise bad("modes and counts must have one entry per segment of the plan")
+  for seg, mode, count in zip(plan.segments, modes, counts):
+    if mode not in MODE_IDS or not _is_int(count):
+      raise bad(f"mode {mode!r}, count {count!r}")
+    limit = {"empty": 0, "dense": 0}.get(mode, seg.capacity)
+    if not 0 <= count <= limit:
+      raise bad(f"a {mode} record of {count} changes (capacity {seg.capacity})")
+  return meta
