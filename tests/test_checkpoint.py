@@ -260,3 +260,114 @@ def test_bad_manager_options_are_config_errors_and_create_nothing(tmp_path, opti
   with pytest.raises(jsparse.ConfigError):
     jsparse.DeltaCheckpointManager(tmp_path / "chain", plan, **options)
   assert not (tmp_path / "chain").exists()
+
+
+# --- hardening --------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+import zlib  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pristine_chain(tmp_path_factory):
+  """A chain of 5 steps (a base, 4 deltas), and its trees."""
+  root = tmp_path_factory.mktemp("pristine")
+  trees = _steps(11, 5)
+  plan = _plan(trees[0])
+  with jsparse.DeltaCheckpointManager(root, plan, rebase_every=10) as chain:
+    for step, tree in enumerate(trees):
+      chain.save(step, tree)
+  return root, plan, trees
+
+
+_FIELDS = ["jsparse_chain", "step", "plan", "kind", "digest", "changed", "base", "parent",
+           "parent_digest", "modes", "counts"]
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 10) | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=3), max_leaves=5)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(1, 4), st.sampled_from(_FIELDS + ["<delete>"]), _JSON, st.booleans())
+def test_random_metadata_corruptions_are_named_never_a_loop_or_a_wrong_restore(
+    pristine_chain, step, field, value, reseal):
+  import signal
+  root, plan, trees = pristine_chain
+  work = Path(str(root) + "-work")
+  shutil.rmtree(work, ignore_errors=True)
+  shutil.copytree(root, work)
+  path = work / str(step) / "meta" / "metadata"
+  meta = json.loads(path.read_text())
+  if field == "<delete>":
+    meta.pop("parent", None)
+  else:
+    meta[field] = value
+  if reseal:  # a forger that recomputes the checksum
+    body = {k: v for k, v in meta.items() if k != "crc"}
+    meta["crc"] = zlib.crc32(json.dumps(body, sort_keys=True).encode())
+  path.write_text(json.dumps(meta))
+  signal.alarm(60)  # a cyclic chain walk would hang: fail loudly instead
+  try:
+    with jsparse.DeltaCheckpointManager(work, plan, max_to_keep=10) as chain:
+      for s in range(5):
+        try:
+          assert_trees_bitwise_equal(chain.restore(s), plan.cast(trees[s]))
+        except jsparse.CheckpointError as e:
+          assert s >= step and f"step {step}" in str(e), (s, str(e))
+  finally:
+    signal.alarm(0)
+
+
+def test_zero_size_leaves_and_an_empty_tree_are_saved_and_restored(tmp_path):
+  for name, tree in [("zero", {"w": jnp.zeros((4, 0)), "b": jnp.ones(3), "e": jnp.zeros(0)}),
+                     ("empty", {})]:
+    plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16)
+    with jsparse.DeltaCheckpointManager(tmp_path / name, plan, rebase_every=1) as chain:
+      steps = [tree, jax.tree.map(lambda x: x + 1, tree), jax.tree.map(lambda x: x + 2, tree)]
+      assert [chain.save(i, t).kind for i, t in enumerate(steps)] == ["base", "delta", "base"]
+      for i, t in enumerate(steps):
+        assert_trees_bitwise_equal(chain.restore(i), plan.cast(t))
+    sender = jsparse.Sender(plan, tree)
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(tmp_path / f"{name}-state", options=options) as manager:
+      manager.save(0, args=ocp.args.Composite(sync=ocp.args.StandardSave(sender.state())))
+      target = ocp.args.StandardRestore(jsparse.abstract_sync_state(plan))
+      state = manager.restore(0, args=ocp.args.Composite(sync=target))["sync"]
+    receiver = jsparse.Receiver.restore(plan, state)
+    assert_trees_bitwise_equal(receiver.params, plan.cast(tree))
+
+
+def test_reopening_a_directory_of_another_plan_writes_nothing(tmp_path):
+  trees = _steps(12, 3)
+  with jsparse.DeltaCheckpointManager(tmp_path, _plan(trees[0])) as chain:
+    chain.save(0, trees[0])
+    chain.save(1, trees[1])
+  other = jsparse.make_plan(trees[0], rollout_dtype=jnp.float16)
+  with jsparse.DeltaCheckpointManager(tmp_path, other, max_to_keep=1) as chain:
+    with pytest.raises(jsparse.CheckpointError, match="another plan"):
+      chain.save(2, trees[2])
+    assert chain.all_steps() == [0, 1]
+
+
+def test_abstract_sync_state_without_shardings_restores_onto_the_default_device(tmp_path):
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  tree = {"w": jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("fsdp")))}
+  plan = jsparse.make_plan(tree)
+  options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+  with ocp.CheckpointManager(tmp_path, options=options) as manager:
+    manager.save(0, args=ocp.args.Composite(
+        sync=ocp.args.StandardSave(jsparse.Sender(plan, tree).state())))
+    target = ocp.args.StandardRestore(jsparse.abstract_sync_state(plan))
+    state = manager.restore(0, args=ocp.args.Composite(sync=target))["sync"]
+  assert state.params["w"].sharding.device_set == {jax.devices()[0]}
+  assert jsparse.Sender.restore(plan, state).snapshot["w"].sharding.is_equivalent_to(
+      tree["w"].sharding, 1)  # placed back on the plan's layout to send
+
+
+def test_numpy_integer_steps_are_accepted(tmp_path):
+  trees = _steps(13, 2)
+  with jsparse.DeltaCheckpointManager(tmp_path, _plan(trees[0])) as chain:
+    assert chain.save(np.int64(1), trees[0]).step == 1
+    assert chain.save(np.int32(2), trees[1]).kind == "delta"

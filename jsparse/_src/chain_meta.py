@@ -111,7 +111,7 @@ def check(meta: Any, step: int, plan: Plan) -> dict:
           and len(modes) == len(counts) == len(plan.segments)):
     raise bad("modes and counts must have one entry per segment of the plan")
   for seg, mode, count in zip(plan.segments, modes, counts):
-    if mode not in MODE_IDS or not _is_int(count):
+    if not isinstance(mode, str) or mode not in MODE_IDS or not _is_int(count):
       raise bad(f"mode {mode!r}, count {count!r}")
     limit = {"empty": 0, "dense": 0}.get(mode, seg.capacity)
     if not 0 <= count <= limit:

@@ -177,3 +177,76 @@ def test_apply_with_donation_updates_in_place():
   out = jsparse.apply(plan, rollout, delta, donate=True)
   assert rollout["w"].is_deleted()
   assert_trees_bitwise_equal(out, new)
+
+
+# --- diff and apply traced by the caller ---------------------------------------------------------
+
+def test_diff_and_apply_inside_the_callers_jit():
+  base = {"w": jnp.zeros(300), "b": jnp.zeros(7, jnp.bfloat16)}
+  new = {"w": base["w"].at[5].set(-0.0), "b": base["b"].at[2].set(1.0)}
+  plan = jsparse.make_plan(base)
+
+  @jax.jit
+  def sync(rollout, new):
+    return jsparse.apply(plan, rollout, jsparse.diff(plan, rollout, new))
+
+  assert_trees_bitwise_equal(sync(base, new), new)
+  delta = jsparse.diff(plan, base, new)
+  assert_trees_bitwise_equal(jax.jit(lambda r, d: jsparse.apply(plan, r, d))(base, delta), new)
+
+
+def test_diff_and_apply_on_local_blocks_inside_the_callers_shard_map():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  spec = NamedSharding(mesh, P("fsdp"))
+  base = jax.device_put(jnp.zeros((64, 4)), spec)
+  new = jax.device_put(jnp.zeros((64, 4)).at[::9].set(1.0), spec)
+
+  def local(old, new):  # a plan of the local block, made inside
+    plan = jsparse.make_plan({"w": jax.ShapeDtypeStruct(old.shape, old.dtype)})
+    return jsparse.apply(plan, {"w": old}, jsparse.diff(plan, {"w": old}, {"w": new}))["w"]
+
+  out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("fsdp"),) * 2,
+                              out_specs=P("fsdp")))(base, new)
+  assert np.array_equal(np.asarray(out), np.asarray(new))
+
+
+def test_diff_apply_and_sync_under_any_context_mesh():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  trainer = jax.make_mesh((8,), ("fsdp",))
+  other = jax.make_mesh((2, 4), ("a", "b"))
+  w = jax.device_put(jnp.zeros((64, 8)), NamedSharding(trainer, P("fsdp")))
+  params, new = {"w": w, "b": jnp.zeros(8)}, {"w": w + 1, "b": jnp.ones(8)}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=1.0)
+  for context in (trainer, other):
+    with jax.set_mesh(context):
+      out = jsparse.apply(plan, plan.cast(params), jsparse.diff(plan, params, new))
+      assert_trees_bitwise_equal(out, plan.cast(new))
+      sender, receiver = jsparse.Sender(plan, params), jsparse.Receiver(plan, plan.cast(params))
+      assert_trees_bitwise_equal(receiver.receive(sender.send(new)), plan.cast(new))
+
+
+# --- clear errors --------------------------------------------------------------------------------
+
+def test_trainer_arrays_on_another_layout_than_the_plans_are_named():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  w = np.zeros((64, 8), np.float32)
+  plan = jsparse.make_plan({"w": jax.device_put(w, NamedSharding(mesh, P("fsdp")))})
+  sender = jsparse.Sender(plan, {"w": w})  # host arrays at the start are placed on the plan
+  assert sender.snapshot["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 2)
+  for other in (w, jax.device_put(w, NamedSharding(mesh, P())),
+                jax.device_put(w, NamedSharding(mesh, P(None, "fsdp")))):
+    with pytest.raises(jsparse.PlanMismatchError, match=r"leaf \['w'\] is .*the plan splits it"):
+      sender.send({"w": other})
+    with pytest.raises(jsparse.PlanMismatchError, match=r"leaf \['w'\]"):
+      jsparse.diff(plan, {"w": other}, {"w": other})
+  assert sender.version == 0
+
+
+def test_numpy_float64_leaves_without_x64_are_float32_leaves():
+  plan = jsparse.make_plan({"x": np.zeros(4, np.float64)})
+  assert plan.leaves[0].dtype == np.float32
+  out = jsparse.apply(plan, {"x": np.zeros(4)}, jsparse.diff(plan, {"x": np.zeros(4)},
+                                                             {"x": np.ones(4)}))
+  assert out["x"].dtype == jnp.float32 and out["x"].tolist() == [1.0] * 4

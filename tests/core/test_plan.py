@@ -99,3 +99,19 @@ def test_unsupported_dtype_is_refused():
 def test_bucket_size_must_be_positive():
   with pytest.raises(jsparse.ConfigError, match="bucket_size"):
     jsparse.make_plan({"w": jnp.zeros(3)}, bucket_size=0)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "float4_e2m1fn", "int2"])
+def test_sub_byte_dtypes_are_refused_at_make_plan(dtype):
+  import ml_dtypes
+  with pytest.raises(jsparse.PlanError, match=rf"\['x'\] has unsupported dtype {dtype}"):
+    jsparse.make_plan({"x": jnp.zeros(4, getattr(ml_dtypes, dtype))})
+
+
+def test_numpy_scalars_are_valid_options_and_bucket_size_is_capped():
+  import numpy as np
+  plan = jsparse.make_plan({"x": jnp.zeros(70000)}, capacity=np.float16(0.5),
+                           bucket_size=np.int64(64))
+  assert plan.segments[0].capacity == 35000
+  with pytest.raises(jsparse.ConfigError, match="at most 2147483647"):
+    jsparse.make_plan({"x": jnp.zeros(4)}, bucket_size=2**31)

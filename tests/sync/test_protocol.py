@@ -2,6 +2,7 @@
 anchors, catching up, refusals that leave no trace, the end-to-end digest, compilations."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -252,3 +253,128 @@ def test_numpy_ints_are_valid_int_options():
   plan = jsparse.make_plan({"w": jnp.zeros(4)}, bucket_size=np.int64(2))
   sender = jsparse.Sender(plan, {"w": jnp.zeros(4)}, anchor_every=np.int32(2))
   assert sender.anchor_every == 2 and type(sender.anchor_every) is int
+
+
+# --- 64-bit leaves (x64): ulp codes of any width -------------------------------------------------
+
+@settings(max_examples=30)
+@given(st.sampled_from([np.float64, np.int64, np.uint64]), st.integers(0, 2**32 - 1),
+       st.sampled_from(list(jsparse.Coding)))
+def test_64_bit_leaves_with_arbitrary_bit_jumps_roundtrip(dtype, seed, coding):
+  rng = np.random.default_rng(seed)
+  with jax.enable_x64(True):
+    base = {"w": strategies.random_bits(rng, (300,), dtype),
+            "small": strategies.random_bits(rng, (5,), dtype)}
+    base["w"][:3] = np.array([0, 1, 2]).astype(dtype)  # 1.0 -> 2.0, 0 -> 2**40 below
+    plan = jsparse.make_plan(base, capacity=0.5, bucket_size=100)
+    sender = jsparse.Sender(plan, base, coding=coding)
+    receiver = jsparse.Receiver(plan, base)
+    for density in (0.01, 0.3):
+      new = {k: strategies.perturb(rng, v, density) for k, v in base.items()}
+      new["w"][0] = np.array(2**40 if dtype != np.float64 else 2.0).astype(dtype)
+      assert_trees_bitwise_equal(receiver.receive(sender.send(new)), new)
+      base = new
+
+
+# --- versions ------------------------------------------------------------------------------------
+
+def test_a_replayed_older_anchor_is_refused_and_changes_nothing():
+  params = {"w": jnp.zeros(100)}
+  plan, sender, receiver = _pair(params)
+  anchor = sender.send({"w": jnp.ones(100)}, full=True)
+  receiver.receive(anchor)
+  receiver.receive(sender.send({"w": jnp.full(100, 2.0)}))
+  newer = sender.send({"w": jnp.full(100, 2.0)}, full=True)
+  with pytest.raises(jsparse.VersionError, match="not newer"):
+    receiver.receive(anchor)
+  assert receiver.version == 2 and float(receiver.params["w"][0]) == 2.0
+  receiver.receive(newer)  # a newer anchor is fine
+  assert receiver.version == 3
+
+
+@pytest.mark.parametrize("base_version, version", [(5, 5), (6, 5), (0, 2**64 - 1), (0, 2**63)])
+def test_forged_header_versions_are_refused(base_version, version):
+  import struct
+  import zlib
+  params = {"w": jnp.zeros(100)}
+  plan, sender, receiver = _pair(params)
+  data = bytearray(sender.send({"w": jnp.ones(100)})[:-4])
+  struct.pack_into("<QQ", data, 24, base_version, version)  # after magic, flags, fingerprint
+  forged = bytes(data) + struct.pack("<I", zlib.crc32(bytes(data)))
+  with pytest.raises(jsparse.PayloadError, match="versions must increase"):
+    receiver.receive(forged)
+  assert receiver.version == 0
+
+
+def test_a_sender_refuses_a_version_past_int64():
+  plan = jsparse.make_plan({"w": jnp.zeros(4)})
+  sender = jsparse.Sender(plan, {"w": jnp.zeros(4)}, version=2**63 - 1)
+  with pytest.raises(jsparse.VersionError, match="2\\*\\*63"):
+    sender.send({"w": jnp.ones(4)})
+  assert sender.version == 2**63 - 1
+
+
+def test_a_failed_encode_leaves_the_sender_on_an_anchor(monkeypatch):
+  params = {"w": jnp.zeros(100)}
+  plan, sender, receiver = _pair(params)
+
+  def broken(*args):
+    raise RuntimeError("disk full")
+  monkeypatch.setattr(framing, "encode", broken)
+  with pytest.raises(RuntimeError):
+    sender.send({"w": jnp.ones(100)})
+  monkeypatch.undo()
+  data = sender.send({"w": jnp.full(100, 3.0)})
+  assert framing.decode(plan, data).kind == Kind.ANCHOR  # the receiver never saw the lost one
+  assert_trees_bitwise_equal(receiver.receive(data), {"w": jnp.full(100, 3.0)})
+
+
+# --- donation never deletes what the caller holds ----------------------------------------------
+
+def test_a_donating_receiver_keeps_the_callers_arrays_alive():
+  params = {"w": jnp.zeros(1000, jnp.bfloat16), "i": jnp.arange(10), "f": jnp.zeros(10)}
+  plan = jsparse.make_plan(params)  # rollout_dtype=None: plan.cast returns the same arrays
+  sender = jsparse.Sender(plan, params)
+  receivers = [jsparse.Receiver(plan, plan.cast(params)), jsparse.Receiver(plan, sender.snapshot),
+               jsparse.Receiver.restore(plan, sender.state())]
+  new = {"w": params["w"].at[3].set(1.0), "i": params["i"] + 1, "f": params["f"]}
+  data = sender.send(new)
+  for receiver in receivers:
+    assert_trees_bitwise_equal(receiver.receive(data), new)
+  assert float(params["w"][3] + 1) == 1.0 and int(params["i"][0]) == 0  # all alive
+  assert_trees_bitwise_equal(sender.snapshot, new)
+
+
+def test_tied_weights_sync_and_apply_with_donation():
+  w = jnp.zeros(500)
+  tied = {"embed": w, "unembed": w}  # one array at two leaves
+  plan = jsparse.make_plan(tied)
+  sender, receiver = jsparse.Sender(plan, tied), jsparse.Receiver(plan, tied)
+  new = {"embed": w.at[1].set(1.0), "unembed": w.at[1].set(1.0)}
+  assert_trees_bitwise_equal(receiver.receive(sender.send(new)), new)
+  out = jsparse.apply(plan, tied, jsparse.diff(plan, tied, new), donate=True)
+  assert_trees_bitwise_equal(out, new)
+
+
+# --- plans travel between processes ---------------------------------------------------------------
+
+def test_plans_pickle_in_process_and_to_a_process_without_the_devices():
+  import pickle
+  import subprocess
+  import sys
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  params = {"w": jax.device_put(jnp.zeros((64, 8)), NamedSharding(mesh, P("fsdp"))),
+            "b": jnp.zeros(8)}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  again = pickle.loads(pickle.dumps(plan))
+  assert again == plan and hash(again) == hash(plan) and again.fingerprint == plan.fingerprint
+  sender = jsparse.Sender(again, params)  # the same devices: a working plan
+  code = ("import pickle, sys, jax; plan = pickle.loads(sys.stdin.buffer.read()); "
+          "print(jax.device_count(), plan.fingerprint.hex(), type(plan.leaves[1].layout.mesh)"
+          ".__name__)")
+  out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(plan),
+                       capture_output=True, timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+  assert out.returncode == 0, out.stderr.decode()[-2000:]
+  assert out.stdout.decode().split() == ["1", plan.fingerprint.hex(), "AbstractMesh"]
+  assert sender.send(params)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import jsparse
 from jsparse.testing import assert_trees_bitwise_equal
@@ -42,3 +43,61 @@ def test_compact_payload_for_a_leaf_the_plan_did_not_know_split_is_refused_unapp
   assert_trees_bitwise_equal(receiver.params, plan.cast(base))
   out = receiver.receive(jsparse.Sender(plan, base, coding="lists").send(new))  # lists: fine
   assert_trees_bitwise_equal(out, plan.cast(new))
+
+
+MESH_SHAPES = [(8,), (1, 8), (8, 1), (2, 4), (4, 2), (1, 2, 4), (2, 1, 2, 2), (1, 1)]
+AXIS_TYPES = [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto]
+
+
+@st.composite
+def meshes(draw):
+  """A random mesh: size-1 axes included, Explicit or Auto axis types."""
+  mesh_shape = draw(st.sampled_from(MESH_SHAPES))
+  names = tuple(f"m{i}" for i in range(len(mesh_shape)))
+  axis_type = draw(st.sampled_from(AXIS_TYPES))
+  return jax.make_mesh(mesh_shape, names, axis_types=(axis_type,) * len(names),
+                       devices=jax.devices()[:int(np.prod(mesh_shape))])
+
+
+@st.composite
+def placements(draw, mesh, shape):
+  """A spec for ``shape`` on ``mesh`` whose split dimensions divide evenly."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  names = mesh.axis_names
+  free, spec = list(names), []
+  for n in shape:
+    chosen = draw(st.lists(st.sampled_from(free), unique=True, max_size=2)) if free else []
+    if n % int(np.prod([mesh.shape[a] for a in chosen] or [1])):
+      chosen = []
+    free = [a for a in free if a not in chosen]
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+  return NamedSharding(mesh, P(*spec))
+
+
+@settings(max_examples=12)
+@given(st.data(), st.sampled_from(list(jsparse.Coding)), st.sampled_from([0.02, 0.5]))
+def test_random_meshes_with_size_1_and_explicit_axes(data, coding, density):
+  """Trainer and rollout on random meshes, next to an uncommitted leaf: exact, layouts kept."""
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+  shapes = {"w": (16, 48), "v": (32,)}
+  base = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+  trainer_mesh, rollout_mesh = data.draw(meshes()), data.draw(meshes())
+  trainer = {k: data.draw(placements(trainer_mesh, s)) for k, s in shapes.items()}
+  rollout = {k: data.draw(placements(rollout_mesh, s)) for k, s in shapes.items()}
+  params = {k: jax.device_put(v, trainer[k]) for k, v in base.items()}
+  params["bias"] = jnp.zeros(5)  # uncommitted, next to sharded leaves
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.1, bucket_size=64,
+                           rollout_shardings=dict(rollout, bias=None))
+  rollout_params = {k: jax.device_put(v.astype(jnp.bfloat16), rollout[k])
+                    for k, v in base.items()}
+  rollout_params["bias"] = jnp.zeros(5, jnp.bfloat16)
+  sender = jsparse.Sender(plan, params, coding=coding)
+  receiver = jsparse.Receiver(plan, rollout_params)
+  for _ in range(2):
+    base = {k: strategies.perturb(rng, v, density) for k, v in base.items()}
+    new = {k: jax.device_put(v, trainer[k]) for k, v in base.items()}
+    new["bias"] = jnp.asarray(rng.normal(size=5).astype(np.float32))
+    out = receiver.receive(sender.send(new))
+    assert_trees_bitwise_equal(out, plan.cast(new))
+    for k in shapes:
+      assert out[k].sharding.is_equivalent_to(rollout[k], len(shapes[k])), (k, out[k].sharding)
