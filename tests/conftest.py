@@ -16,3 +16,13 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+
+def pytest_addoption(parser):
+  parser.addoption("--fuzz-examples", type=int, default=8,
+                   help="cases of the whole-stack fuzz (tests/sync/test_fuzz.py)")
+
+
+def pytest_configure(config):
+  os.environ["JSPARSE_FUZZ_EXAMPLES"] = str(config.getoption("--fuzz-examples"))

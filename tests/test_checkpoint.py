@@ -210,7 +210,7 @@ def test_save_killed_at_random_moments_never_leaves_a_bad_step(tmp_path):
 def test_sender_and_receiver_resume_from_orbax_without_a_full_resend(tmp_path):
   trees = _steps(7, 6)
   rollout = _sharded(trees[0], (2, 2), ("data", "tensor"), {"w": P(None, "tensor")})
-  plan = _plan(trees[0], rollout_shardings=rollout)
+  plan = _plan(trees[0])
   sender = jsparse.Sender(plan, trees[0])
   receiver = jsparse.Receiver(plan, plan.cast(trees[0]))
   for tree in trees[1:3]:

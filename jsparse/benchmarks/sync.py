@@ -202,8 +202,8 @@ def _jsparse(plan, before, after, repeats, coding):
   row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
   indices = inputs.keys
   if inputs.coded:
-    indices = programs.positions_program(plan, inputs.ranked, jax.tree.leaves(snapshot),
-                                         inputs.keys, inputs.counts)
+    indices = programs.positions_program(plan, layouts, inputs.ranked,
+                                         jax.tree.leaves(snapshot), inputs.keys, inputs.counts)
   row["temp"] = (_temp(programs.diff_program, plan, coding.ranked, *fresh_snapshot())
                  + _temp(programs.apply_program(True), plan, layouts, inputs.coded,
                          jax.tree.leaves(snapshot), indices, inputs.values))

@@ -127,8 +127,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   optimizer = nnx.Optimizer(model, optimizer.tx, wrt=nnx.Param)  # its state on the mesh too
   params = nnx.state(model, nnx.Param)
 
-  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=args.capacity,
-                           rollout_shardings=rollout_shardings)
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=args.capacity)
   sender = jsparse.Sender(plan, params)
   receiver = jsparse.Receiver(plan, jax.device_put(plan.cast(params), rollout_shardings))
   os.makedirs(args.out, exist_ok=True)

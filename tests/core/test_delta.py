@@ -160,7 +160,8 @@ def test_one_compilation_per_plan():
   base = {"w": jnp.asarray(rng.normal(size=(128, 128)), jnp.float32), "b": jnp.zeros(128)}
   plan = jsparse.make_plan(base, rollout_dtype=jnp.bfloat16, capacity=0.2)
   rollout = plan.cast(base)
-  diffs, applies = compilations(delta_lib.diff_program), compilations(delta_lib.apply_program(False))
+  diffs = compilations(delta_lib.diff_program)
+  applies = compilations(delta_lib.apply_program(False))
   for step in range(4):
     new = jax.tree.map(lambda x: x + 1e-2 * step, base)
     rollout = jsparse.apply(plan, rollout, jsparse.diff(plan, base, new))
@@ -237,11 +238,15 @@ def test_trainer_arrays_on_another_layout_than_the_plans_are_named():
   assert sender.snapshot["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 2)
   for other in (w, jax.device_put(w, NamedSharding(mesh, P())),
                 jax.device_put(w, NamedSharding(mesh, P(None, "fsdp")))):
-    with pytest.raises(jsparse.PlanMismatchError, match=r"leaf \['w'\] is .*the plan splits it"):
+    with pytest.raises(jsparse.PlanMismatchError, match=r"leaf \['w'\] is .*the plan's is split"):
       sender.send({"w": other})
     with pytest.raises(jsparse.PlanMismatchError, match=r"leaf \['w'\]"):
       jsparse.diff(plan, {"w": other}, {"w": other})
   assert sender.version == 0
+  whole = jsparse.make_plan({"w": w})  # and a leaf split where the plan holds it whole
+  with pytest.raises(jsparse.PlanMismatchError, match=r"\['w'\] is split .* the plan's is not"):
+    jsparse.Sender(whole, {"w": w}).send(
+        {"w": jax.device_put(w, NamedSharding(mesh, P("fsdp")))})
 
 
 def test_numpy_float64_leaves_without_x64_are_float32_leaves():

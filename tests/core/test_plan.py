@@ -29,18 +29,16 @@ def test_pools_are_per_dtype_and_cover_every_leaf_once():
   assert covered == [0, 1, 2, 3, 5]  # the zero-size leaf needs no segment
 
 
-def test_leaves_split_on_either_side_are_not_ordered():
+def test_float_leaves_the_trainer_does_not_split_are_ordered_whatever_the_rollout():
   mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
-  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  tree = {"trainer_split": jax.device_put(jnp.zeros(8), split), "rollout_split": jnp.zeros(8),
-          "neither": jnp.zeros(8)}
-  plan = jsparse.make_plan(tree, bucket_size=1, rollout_shardings={
-      "trainer_split": whole, "rollout_split": split, "neither": whole})
+  tree = {"trainer_split": jax.device_put(jnp.zeros(8), split), "whole": jnp.zeros(8),
+          "ints": jnp.zeros(8, jnp.int32)}
+  plan = jsparse.make_plan(tree, bucket_size=1)
   ordered = {plan.leaves[s.leaf_ids[0]].path: s.ordered for s in plan.segments}
-  assert ordered == {"['trainer_split']": False, "['rollout_split']": False, "['neither']": True}
-  with pytest.raises(jsparse.PlanError, match="rollout_shardings"):
-    jsparse.make_plan(tree, rollout_shardings={"neither": whole})
+  assert ordered == {"['trainer_split']": False, "['whole']": True, "['ints']": False}
+  with pytest.raises(TypeError, match="rollout_shardings"):  # the plan knows no rollout layout
+    jsparse.make_plan(tree, rollout_shardings={})
 
 
 @pytest.mark.parametrize("capacity, expected", [(0.5, 50), (1.0, 100), (7, 7), (10**6, 100),

@@ -9,6 +9,8 @@ from hypothesis import given, settings, strategies as st
 import jsparse
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
+from jsparse._src.wire import framing
+from jsparse._src.wire.payload import Mode
 from tests.meshes import PAIRS, assert_layout, place, trees
 
 
@@ -20,8 +22,7 @@ def test_sender_receiver_across_layouts(trainer, rollout, density, coding):
   params = place(base, trainer)
   rollout_params = place(jax.tree.map(np.asarray, base), rollout)
   shardings = {k: v.sharding for k, v in rollout_params.items()}
-  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.1, bucket_size=256,
-                           rollout_shardings=shardings)
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.1, bucket_size=256)
   sender = jsparse.Sender(plan, params, coding=coding)
   receiver = jsparse.Receiver(plan, plan.cast(rollout_params))
   rng = np.random.default_rng(2)
@@ -32,17 +33,23 @@ def test_sender_receiver_across_layouts(trainer, rollout, density, coding):
     assert_layout(out, shardings)
 
 
-def test_compact_payload_for_a_leaf_the_plan_did_not_know_split_is_refused_unapplied():
-  base, new = trees(4, 0.05)
-  plan = jsparse.make_plan(base, rollout_dtype=jnp.bfloat16, bucket_size=256)  # no hint
-  rollout = place(jax.tree.map(np.asarray, plan.cast(base)), "fsdp4")
-  receiver = jsparse.Receiver(plan, rollout)
-  with pytest.raises(jsparse.PlanMismatchError, match="rollout_shardings"):
-    receiver.receive(jsparse.Sender(plan, base).send(new))
-  assert receiver.version == 0
-  assert_trees_bitwise_equal(receiver.params, plan.cast(base))
-  out = receiver.receive(jsparse.Sender(plan, base, coding="lists").send(new))  # lists: fine
-  assert_trees_bitwise_equal(out, plan.cast(new))
+def test_one_payload_stream_serves_rollouts_with_different_meshes():
+  """The plan knows no rollout layout: the same bytes apply, exactly and block-locally, to a
+  whole copy, an 8-way column split, a 2x4 split and tensor-parallel 1, 2 and 4 replicas."""
+  base, _ = trees(4, 0.0)
+  plan = jsparse.make_plan(base, rollout_dtype=jnp.bfloat16, bucket_size=256)
+  sender = jsparse.Sender(plan, base)
+  layouts = ["single", "fsdp2", "fsdp4", "fsdp8", "dp2xtp4", "tp4xdp2", "fsdp2xtp2"]
+  receivers = [jsparse.Receiver(plan, place(jax.tree.map(np.asarray, plan.cast(base)), name))
+               for name in layouts]
+  rng = np.random.default_rng(5)
+  for _ in range(3):
+    base = {k: strategies.nudge_leaf(rng, v, 0.05) for k, v in base.items()}
+    data = sender.send(base)
+    assert framing.decode(plan, data).segments[0].mode == Mode.BY_RANK
+    for receiver in receivers:
+      assert_trees_bitwise_equal(receiver.receive(data), plan.cast(base))
+  assert len(data) / sender.last_stats.changed < 2.0
 
 
 MESH_SHAPES = [(8,), (1, 8), (8, 1), (2, 4), (4, 2), (1, 2, 4), (2, 1, 2, 2), (1, 1)]
@@ -86,8 +93,7 @@ def test_random_meshes_with_size_1_and_explicit_axes(data, coding, density):
   rollout = {k: data.draw(placements(rollout_mesh, s)) for k, s in shapes.items()}
   params = {k: jax.device_put(v, trainer[k]) for k, v in base.items()}
   params["bias"] = jnp.zeros(5)  # uncommitted, next to sharded leaves
-  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.1, bucket_size=64,
-                           rollout_shardings=dict(rollout, bias=None))
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.1, bucket_size=64)
   rollout_params = {k: jax.device_put(v.astype(jnp.bfloat16), rollout[k])
                     for k, v in base.items()}
   rollout_params["bias"] = jnp.zeros(5, jnp.bfloat16)

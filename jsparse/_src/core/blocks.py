@@ -39,17 +39,17 @@ def block_positions(layout: Layout, shape: tuple[int, ...]) -> jax.Array:
   block = layout.block_shape(shape)
   multi = [lax.broadcasted_iota(jnp.int32, block, d) + s
            for d, s in enumerate(layout.block_start(shape))]
-  return _ravel(multi, shape)
+  return ravel(multi, shape)
 
 
-def _ravel(multi: list[jax.Array], shape: tuple[int, ...]) -> jax.Array:
+def ravel(multi: list[jax.Array], shape: tuple[int, ...]) -> jax.Array:
   flat = jnp.zeros_like(multi[0]) if multi else jnp.int32(0)
   for m, n in zip(multi, shape):
     flat = flat * n + m
   return flat
 
 
-def _unravel(flat: jax.Array, shape: tuple[int, ...]) -> list[jax.Array]:
+def unravel(flat: jax.Array, shape: tuple[int, ...]) -> list[jax.Array]:
   multi = []
   for n in reversed(shape):
     multi.append(flat % n)
@@ -74,9 +74,9 @@ def diff_blocks(layout: Layout, shape: tuple[int, ...], rollout_dtype: np.dtype,
     positions, values, old_values, count = changed_elements(
         base_block.reshape(-1), source, rollout_dtype, block_capacity)
     valid = positions < source.shape[0]
-    local_multi = _unravel(jnp.minimum(positions, source.shape[0] - 1), block)
+    local_multi = unravel(jnp.minimum(positions, source.shape[0] - 1), block)
     starts = layout.block_start(shape)
-    global_flat = _ravel([m + s for m, s in zip(local_multi, starts)], shape)
+    global_flat = ravel([m + s for m, s in zip(local_multi, starts)], shape)
     return jnp.where(valid, global_flat, size), values, old_values, count.reshape(1)
 
   out = PartitionSpec(layout.split_axes)
@@ -94,11 +94,11 @@ def apply_blocks(layout: Layout, shape: tuple[int, ...], base: jax.Array, indice
 
   def local(base_block, idx, vals):
     starts = layout.block_start(shape)
-    multi = _unravel(jnp.minimum(idx, size - 1), shape)
+    multi = unravel(jnp.minimum(idx, size - 1), shape)
     inside = idx < size
     for m, s, b in zip(multi, starts, block):
       inside &= (m >= s) & (m < s + b)
-    local_flat = jnp.where(inside, _ravel([m - s for m, s in zip(multi, starts)], block),
+    local_flat = jnp.where(inside, ravel([m - s for m, s in zip(multi, starts)], block),
                            block_size)
     flat = base_block.reshape(-1)
     if decode is not None:

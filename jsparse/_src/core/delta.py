@@ -214,20 +214,22 @@ def _layout_of(x: Any, leaf: LeafSpec) -> Layout | None:
 
 
 def check_layouts(plan: Plan, flat: list, *, what: str) -> None:
-  """Raises :class:`PlanMismatchError` naming the first concrete leaf that the plan splits into
-  blocks but that is laid out otherwise (host numpy, replicated, or split on another mesh or
-  axes): the plan's shard-local programs would not fit it."""
+  """Raises :class:`PlanMismatchError` naming the first concrete trainer leaf laid out otherwise
+  than the plan says: split into other blocks, not split where the plan splits it (host numpy,
+  replicated), or split where the plan holds it whole (a whole-leaf program would gather it)."""
+  def describe(layout: Layout | None) -> str:
+    return "not split into blocks" if layout is None else \
+        f"split as {layout.spec} over mesh {dict(layout.mesh.shape)}"
+
   for x, leaf in zip(flat, plan.leaves):
-    if leaf.layout is None or _is_traced(x):
+    if _is_traced(x) or (leaf.layout is None and not isinstance(x, jax.Array)):
       continue
     actual = _layout_of(x, leaf)
     if actual != leaf.layout:
-      given = "not split into blocks" if actual is None else f"split as {actual.spec} over " \
-          f"mesh {dict(actual.mesh.shape)}"
       raise PlanMismatchError(
-          f"{what}: leaf {leaf.path} is {given}, the plan splits it as {leaf.layout.spec} over "
-          f"mesh {dict(leaf.layout.mesh.shape)}: pass arrays with the plan's shardings, or make "
-          "the plan from these arrays")
+          f"{what}: leaf {leaf.path} is {describe(actual)}, the plan's is "
+          f"{describe(leaf.layout)}: pass arrays with the plan's shardings, or make the plan "
+          "from these arrays")
 
 
 def place_on_plan_layouts(plan: Plan, flat: list) -> list:

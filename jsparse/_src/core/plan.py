@@ -52,8 +52,6 @@ class LeafSpec:
     rollout_dtype: the dtype the rollout holds (e.g. bfloat16); diff casts to it.
     layout: how the trainer splits the leaf into blocks over its mesh (None: not split); diff
       works block by block on it.
-    rollout_split: whether the rollout splits the leaf into blocks (from ``make_plan``'s
-      ``rollout_shardings``); such leaves are not coded in exponent order.
 
   >>> import jax.numpy as jnp, jsparse
   >>> leaf = jsparse.make_plan({'w': jnp.zeros((2, 3))}, rollout_dtype=jnp.bfloat16).leaves[0]
@@ -66,7 +64,6 @@ class LeafSpec:
   dtype: np.dtype
   rollout_dtype: np.dtype
   layout: Layout | None = None
-  rollout_split: bool = False
 
   @property
   def size(self) -> int:
@@ -86,7 +83,8 @@ class Segment:
     blocks: how many trainer blocks the (single, sharded) leaf has; each block has
       ``capacity // blocks`` slots.
     ordered: whether its changes can be named by rank in an order of the whole segment (float
-      leaves that neither side splits into blocks); otherwise they are named by position.
+      leaves the trainer does not split into blocks: the rollout resolves ranks whatever its
+      layout); otherwise they are named by position.
 
   >>> import jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'a': jnp.zeros(3), 'b': jnp.zeros(5, jnp.int32)})
@@ -165,7 +163,7 @@ class Plan:
     """16 bytes that identify the plan's layout; payloads carry it so a receiver with another plan
     refuses them."""
     leaves = [(l.path, l.shape, str(l.dtype), str(l.rollout_dtype),
-               l.layout.parts if l.layout else None, l.rollout_split) for l in self.leaves]
+               l.layout.parts if l.layout else None) for l in self.leaves]
     description = repr((str(self.treedef), leaves, self.segments, self.bucket_size))
     return hashlib.blake2b(description.encode(), digest_size=16).digest()
 
@@ -283,8 +281,7 @@ def _capacity(capacity: float | int, size: int, name: str) -> int:
 
 
 def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: float | int = 0.05,
-              pooled_capacity: float | int = 1.0, bucket_size: int = 2**16,
-              rollout_shardings: PyTree | None = None) -> Plan:
+              pooled_capacity: float | int = 1.0, bucket_size: int = 2**16) -> Plan:
   """Builds the static plan that ``diff``, ``apply``, ``Sender`` and ``Receiver`` share.
 
   Args:
@@ -299,18 +296,13 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
       change far more often than large matrices, and a pool is small, so the default carries every
       element.
     bucket_size: leaves smaller than this are pooled into shared segments of at most this size.
-    rollout_shardings: the shardings the rollout will hold the leaves in (a tree with the
-      structure of ``tree``; None: the rollout splits no leaf into blocks). The compact wire
-      format names the changes of a leaf that neither side splits by their rank in an order
-      derived from the whole leaf; a leaf the rollout splits is named by position instead, so
-      each rollout device can apply its own block.
 
   Returns:
     A hashable :class:`Plan`.
 
   Raises:
     PlanError: for an unsupported dtype, a typed PRNG key or a leaf over 2**31 - 1 elements
-      (named), or ``rollout_shardings`` with another structure.
+      (named).
     ConfigError: for a bad ``capacity``, ``pooled_capacity`` or ``bucket_size``.
 
   >>> import jax.numpy as jnp, jsparse
@@ -324,14 +316,8 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
     raise ConfigError(f"bucket_size must be at most {MAX_SEGMENT_ELEMENTS} (int32 indices), got "
                       f"{bucket_size}")
   flat_with_path, treedef = jax.tree.flatten_with_path(tree)
-  rollout_placements = [None] * len(flat_with_path)
-  if rollout_shardings is not None:
-    try:
-      rollout_placements = treedef.flatten_up_to(rollout_shardings)
-    except (ValueError, TypeError) as e:
-      raise PlanError(f"rollout_shardings: tree structure differs from the params: {e}") from e
   leaves = []
-  for (path, value), rollout_sharding in zip(flat_with_path, rollout_placements):
+  for path, value in flat_with_path:
     name = jax.tree_util.keystr(path)
     dtype = getattr(value, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -345,8 +331,7 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
     for label, d in (("dtype", struct.dtype), ("rollout dtype", target)):
       if not bits_lib.is_supported_dtype(d):
         raise PlanError(f"leaf {name} has unsupported {label} {d}")
-    rollout_split = Layout.of(rollout_sharding, struct.shape) is not None
-    leaf = LeafSpec(name, struct.shape, np.dtype(struct.dtype), target, layout, rollout_split)
+    leaf = LeafSpec(name, struct.shape, np.dtype(struct.dtype), target, layout)
     if leaf.size > MAX_SEGMENT_ELEMENTS:
       raise PlanError(
           f"leaf {name} has {leaf.size} elements, more than {MAX_SEGMENT_ELEMENTS} (int32 "
@@ -367,7 +352,7 @@ def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity
     offsets = tuple(np.cumsum([0] + [leaves[i].size for i in pool[:-1]]).tolist())
     size = sum(leaves[i].size for i in pool)
     cap = capacity if len(pool) == 1 and size >= bucket_size else pooled_capacity
-    ordered = bits_lib.is_float(dtype) and not any(leaves[i].rollout_split for i in pool)
+    ordered = bits_lib.is_float(dtype)
     segments.append(Segment(tuple(pool), offsets, size, _capacity(cap, size, "capacity"), dtype,
                             ordered=ordered))
 

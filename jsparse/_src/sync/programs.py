@@ -29,6 +29,7 @@ import numpy as np
 from jsparse._src.core.delta import Delta, apply_flat, diff_flat_with_old, segment_bits
 from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.plan import Plan, Segment
+from jsparse._src.wire import block_ranks
 from jsparse._src.wire import ranks as ranks_lib
 from jsparse._src.wire import ulp_codes
 from jsparse._src.wire.payload import Coding, Format, Payload, ranked_segments
@@ -153,15 +154,23 @@ def receiver_inputs(plan: Plan, payload: Payload) -> ReceiverInputs:
                         payload.format == Format.COMPACT)
 
 
-def _positions(plan: Plan, ranked: tuple[bool, ...], flat: list, keys: tuple,
+def _positions(plan: Plan, layouts: tuple, ranked: tuple[bool, ...], flat: list, keys: tuple,
                counts: jax.Array) -> tuple:
   """The positions of the changes: ``keys`` are ranks (where ``ranked``) or positions; slots
-  past ``counts`` get the segment size (skipped)."""
+  past ``counts`` get the segment size (skipped). Ranks in a segment this receiver splits into
+  blocks are resolved block by block (``block_ranks.py``), never by gathering a leaf."""
   indices = []
   for s, (seg, key) in enumerate(zip(plan.segments, keys)):
     used = jnp.arange(key.shape[0]) < counts[s]
     if ranked[s]:
-      key = ranks_lib.positions_of(_tables(plan, seg, flat), jnp.where(used, key, 0))
+      key = jnp.where(used, key, 0)
+      split = [layouts[i] for i in seg.leaf_ids]
+      if any(split):
+        key = block_ranks.positions_of_ranks(
+            [flat[i] for i in seg.leaf_ids], split,
+            [plan.leaves[i].shape for i in seg.leaf_ids], seg.dtype, key)
+      else:
+        key = ranks_lib.positions_of(_tables(plan, seg, flat), key)
     indices.append(jnp.where(used, key, seg.size))
   return tuple(indices)
 
@@ -176,7 +185,7 @@ def _apply(plan: Plan, layouts: tuple, coded: bool, flat: list, indices: tuple, 
   return out, bits_digest(out, layouts)
 
 
-positions_program = jax.jit(_positions, static_argnums=(0, 1))
+positions_program = jax.jit(_positions, static_argnums=(0, 1, 2))
 _APPLY_PROGRAMS = {donate: jax.jit(_apply, static_argnums=(0, 1, 2),
                                    donate_argnums=(3,) if donate else ())
                    for donate in (False, True)}
@@ -194,5 +203,5 @@ def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs,
   """The receiver's device stage: (the updated leaves, their digest)."""
   indices = inputs.keys
   if inputs.coded:
-    indices = positions_program(plan, inputs.ranked, flat, inputs.keys, inputs.counts)
+    indices = positions_program(plan, layouts, inputs.ranked, flat, inputs.keys, inputs.counts)
   return apply_program(donate)(plan, layouts, inputs.coded, flat, indices, inputs.values)

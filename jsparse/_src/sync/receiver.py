@@ -24,11 +24,11 @@ from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.delta import commit_leaves, layouts_of, owned_leaves
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
-from jsparse._src.errors import IntegrityError, PlanMismatchError, VersionError
+from jsparse._src.errors import IntegrityError, VersionError
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import programs
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
-                                     digest_bytes)
+                                     digest_bytes, versioned_digest)
 from jsparse._src.wire import framing
 from jsparse._src.wire.payload import Kind, Mode, Payload
 
@@ -71,7 +71,7 @@ class Receiver:
       self._flat = owned_leaves(self._flat)
     self._layouts = layouts_of(plan, self._flat)
     self._donate = donate
-    self._digest = digest_bytes(programs.digest_program(self._flat, self._layouts))
+    self._bits = digest_bytes(programs.digest_program(self._flat, self._layouts))
 
   @property
   def params(self) -> PyTree:
@@ -80,8 +80,9 @@ class Receiver:
 
   @property
   def digest(self) -> bytes:
-    """The 8-byte digest of this receiver's params' bit patterns."""
-    return self._digest
+    """The 8-byte digest of this receiver's state (its params' bit patterns and version), as
+    payloads carry it."""
+    return versioned_digest(self._bits, self.version)
 
   @property
   def layouts(self) -> tuple:
@@ -91,7 +92,7 @@ class Receiver:
   def state(self) -> SyncState:
     """What a restarted rollout needs to resume without a full resend. The arrays are the live
     params: save them before the next ``receive``."""
-    return SyncState.of(self.plan, self.version, self._digest, self.params)
+    return SyncState.of(self.plan, self.version, self._bits, self.params)
 
   @classmethod
   def restore(cls, plan: Plan, state: SyncState, *, donate: bool = True) -> "Receiver":
@@ -104,7 +105,7 @@ class Receiver:
     """
     version, digest, params = check_state(plan, state, rollout_only=True)
     receiver = cls(plan, params, version=version, donate=donate)
-    check_digest(receiver._digest, digest, version)
+    check_digest(receiver._bits, digest, version)
     return receiver
 
   def receive(self, data: bytes) -> PyTree:
@@ -115,7 +116,6 @@ class Receiver:
       VersionError: a delta for another base version (missed, replayed or reordered).
       IntegrityError: the receiver's state is not the one the delta was computed against, or
         the result does not match the sender's digest (see the class docstring).
-      PlanMismatchError: the payload names changes by rank in a leaf this receiver splits.
       Except for a donating receiver's failed end-to-end check, nothing was changed.
     """
     return self.apply_payload(framing.decode(self.plan, data))
@@ -135,7 +135,7 @@ class Receiver:
     return self.params
 
   def _check_base(self, payload: Payload) -> None:
-    """Refuses a payload for another base, or one whose ranks this layout cannot resolve."""
+    """Refuses a payload for another base version or state."""
     if payload.kind == Kind.ANCHOR and payload.version <= self.version:
       raise VersionError(f"an anchor of version {payload.version} is not newer than this "
                          f"receiver's version {self.version} (replayed or reordered)")
@@ -143,17 +143,9 @@ class Receiver:
       if payload.base_version != self.version:
         raise VersionError(f"payload turns version {payload.base_version} into "
                            f"{payload.version}, but this receiver holds version {self.version}")
-      if payload.base_digest != self._digest:
+      if payload.base_digest != self.digest:
         raise IntegrityError(f"this receiver's params differ from the sender's version "
                              f"{self.version}: resync with an anchor (sender.send(p, full=True))")
-    for s, part in enumerate(payload.segments):
-      split = [self.plan.leaves[i].path for i in self.plan.segments[s].leaf_ids
-               if self._layouts[i]]
-      if part.mode == Mode.BY_RANK and split:
-        raise PlanMismatchError(
-            f"this receiver splits leaf {split[0]} into blocks, but the plan codes its changes "
-            "in an order of the whole leaf: make the plan with rollout_shardings=<the rollout's "
-            "shardings> (or send with coding='positioned')")
 
   def _write_dense(self, payload: Payload) -> list:
     """The leaves with every dense record written (dense segments have no sparse entries)."""
@@ -168,16 +160,16 @@ class Receiver:
         flat[leaf_id] = jax.device_put(host.reshape(leaf.shape), self._flat[leaf_id].sharding)
     return flat
 
-  def _verify_and_commit(self, payload: Payload, flat: list, digest: bytes) -> None:
-    if digest != payload.new_digest:
+  def _verify_and_commit(self, payload: Payload, flat: list, bits: bytes) -> None:
+    if versioned_digest(bits, payload.version) != payload.new_digest:
       message = (f"version {payload.version} reconstructed with a digest that differs from the "
                  "sender's (a payload that passed its checksum but not the end-to-end check)")
       if not self._donate:
         raise IntegrityError(f"{message}; nothing was applied")
       # The old buffers were donated: keep what was built, under its own digest, so that no
       # delta matches it and only an anchor is accepted.
-      self._flat, self._digest = flat, digest
+      self._flat, self._bits = flat, bits
       raise IntegrityError(f"{message}; this receiver is out of sync until it gets an anchor "
                            "(sender.send(params, full=True))")
     self._flat = flat
-    self.version, self._digest = payload.version, payload.new_digest
+    self.version, self._bits = payload.version, bits

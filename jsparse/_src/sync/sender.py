@@ -32,7 +32,7 @@ from jsparse._src.options import int_option
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import programs
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
-                                     digest_bytes)
+                                     digest_bytes, versioned_digest)
 from jsparse._src.wire import framing
 from jsparse._src.wire.payload import (Coding, Kind, Payload, segment_host_bits,
                                        segment_records)
@@ -116,14 +116,14 @@ class Sender:
     self.version = check_version(version)
     flat = place_on_plan_layouts(plan, commit_leaves(plan.flatten(params, what="params")))
     self._snapshot, digest = programs.snapshot_and_digest(plan, flat)
-    self._digest = digest_bytes(digest)
+    self._bits = digest_bytes(digest)  # of the snapshot's bit patterns
     self._needs_anchor = False  # set when a payload failed after the snapshot moved on
     self.last_stats: SendStats | None = None
 
   def state(self) -> SyncState:
     """What a restarted trainer needs to resume without a full resend. The arrays are the live
     snapshot: save them before the next ``send``."""
-    return SyncState.of(self.plan, self.version, self._digest, self.snapshot)
+    return SyncState.of(self.plan, self.version, self._bits, self.snapshot)
 
   @classmethod
   def restore(cls, plan: Plan, state: SyncState, *, anchor_every: int | None = None,
@@ -136,13 +136,14 @@ class Sender:
     """
     version, digest, params = check_state(plan, state, rollout_only=False)
     sender = cls(plan, params, version=version, anchor_every=anchor_every, coding=coding)
-    check_digest(sender._digest, digest, version)
+    check_digest(sender._bits, digest, version)
     return sender
 
   @property
   def digest(self) -> bytes:
-    """The 8-byte digest of the synced state's bit patterns (what payloads carry)."""
-    return self._digest
+    """The 8-byte digest of the synced state (its bit patterns and version) that payloads
+    carry."""
+    return versioned_digest(self._bits, self.version)
 
   @property
   def snapshot(self) -> PyTree:
@@ -196,10 +197,10 @@ class Sender:
       self._needs_anchor = True
       raise
     self._needs_anchor = False
-    new_digest = digest_bytes(digest)
-    payload = Payload(Kind.ANCHOR if full else Kind.DELTA, self.version, version, self._digest,
-                      new_digest, segments, self.coding.format)
-    self.version, self._digest = version, new_digest
+    new_bits = digest_bytes(digest)
+    payload = Payload(Kind.ANCHOR if full else Kind.DELTA, self.version, version, self.digest,
+                      versioned_digest(new_bits, version), segments, self.coding.format)
+    self.version, self._bits = version, new_bits
     self.last_stats = SendStats(version, int(np.sum(delta.counts)), self.plan.num_elements,
                                 self.plan.rollout_bytes, int(np.sum(delta.overflow)), full)
     return payload

@@ -17,6 +17,7 @@ params are checked against the saved digest.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -32,7 +33,8 @@ class SyncState(NamedTuple):
 
   Attributes:
     version: ``int64`` scalar, the synced version.
-    digest: ``uint32[2]``, the digest of ``params``' bit patterns.
+    digest: ``uint32[2]``, the digest of ``params``' bit patterns (payloads carry it bound to
+      the version, see :func:`versioned_digest`).
     plan: ``uint8[16]``, the plan's fingerprint.
     params: the synced tree, in rollout dtypes; a zero-size leaf is stored as a one-element
       placeholder (Orbax refuses zero-size arrays), restored to its shape on resume.
@@ -131,5 +133,15 @@ def check_digest(actual: bytes, saved: bytes, version: int) -> None:
 
 
 def digest_bytes(digest: Any) -> bytes:
-  """A device digest (``uint32[2]``) as the 8 bytes payloads carry."""
+  """A device digest of bit patterns (``uint32[2]``) as 8 bytes."""
   return np.asarray(digest, np.uint32).astype("<u4").tobytes()
+
+
+def versioned_digest(bits_digest: bytes, version: int) -> bytes:
+  """The digest a payload carries for a state: its bit patterns' digest bound to its version,
+  so that a payload whose version fields were altered fails the end-to-end check.
+
+  >>> versioned_digest(bytes(8), 1) != versioned_digest(bytes(8), 2)
+  True
+  """
+  return hashlib.blake2b(bits_digest + version.to_bytes(8, "little"), digest_size=8).digest()

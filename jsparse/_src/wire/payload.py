@@ -70,7 +70,7 @@ class Coding(str, enum.Enum):
     the plan allows, values as ulp codes: the fewest bytes (~1 B/change on RL updates); the
     receiver makes one pass over its params per payload.
   - ``POSITIONED``: format 2 with changes named by position: ~0.25 B more per change, no pass
-    over the params on either side, any rollout layout can apply it.
+    over the params on either side.
   - ``LISTS``: format 1, positions and raw new bits: 4 B/change for 16-bit dtypes, the least
     device work; for fast links.
 
