@@ -148,8 +148,9 @@ def diff(plan: Plan, base: PyTree, new: PyTree) -> Delta:
   >>> delta.counts.tolist(), delta.overflow.tolist(), delta.indices[0][:3].tolist()
   ([20], [True], [0, 50, 100])
   """
-  check_layouts(plan, plan.flatten(base, what="base"), what="base")
-  check_layouts(plan, plan.flatten(new, what="new"), what="new")
+  base, new = (jax.tree.unflatten(plan.treedef, place_on_plan_layouts(
+      plan, plan.flatten(tree, what=what), what=what)[0]) for tree, what in ((base, "base"),
+                                                                               (new, "new")))
   return diff_program(plan, base, new)
 
 
@@ -213,35 +214,41 @@ def _layout_of(x: Any, leaf: LeafSpec) -> Layout | None:
   return Layout.of(sharding, leaf.shape)
 
 
-def check_layouts(plan: Plan, flat: list, *, what: str) -> None:
-  """Raises :class:`PlanMismatchError` naming the first concrete trainer leaf laid out otherwise
-  than the plan says: split into other blocks, not split where the plan splits it (host numpy,
-  replicated), or split where the plan holds it whole (a whole-leaf program would gather it)."""
-  def describe(layout: Layout | None) -> str:
-    return "not split into blocks" if layout is None else \
-        f"split as {layout.spec} over mesh {dict(layout.mesh.shape)}"
+def _describe(layout: Layout | None) -> str:
+  return "not split into blocks" if layout is None else \
+      f"split as {layout.spec} over mesh {dict(layout.mesh.shape)}"
 
+
+def place_on_plan_layouts(plan: Plan, flat: list, *, what: str
+                          ) -> tuple[list, dict[str, str]]:
+  """``flat`` with every concrete trainer leaf laid out as the plan says, and for each leaf that
+  had to move, its path and what it was. A jitted train step may return a leaf laid out otherwise than the
+  plan recorded (XLA chose to split a bias, or to gather a matrix); host numpy leaves have no
+  layout. Moving them costs one reshard (what the jitted diff would otherwise do implicitly,
+  or refuse on an Explicit mesh).
+
+  Raises:
+    PlanMismatchError: naming the leaf, when the plan's mesh is abstract (an unpickled plan in
+      a process without the trainer's devices) and the leaf is laid out otherwise.
+  """
+  out, moved = [], {}
   for x, leaf in zip(flat, plan.leaves):
-    if _is_traced(x) or (leaf.layout is None and not isinstance(x, jax.Array)):
+    actual = None if _is_traced(x) or not isinstance(x, jax.Array) else _layout_of(x, leaf)
+    if _is_traced(x) or actual == leaf.layout or (actual is None and leaf.layout is None):
+      out.append(x)
       continue
-    actual = _layout_of(x, leaf)
-    if actual != leaf.layout:
+    if leaf.layout is None:  # split, the plan holds it whole: whole on the same mesh
+      target = NamedSharding(x.sharding.mesh, PartitionSpec())
+    elif isinstance(leaf.layout.mesh, jax.sharding.Mesh):
+      target = NamedSharding(leaf.layout.mesh, leaf.layout.spec)
+    else:
       raise PlanMismatchError(
-          f"{what}: leaf {leaf.path} is {describe(actual)}, the plan's is "
-          f"{describe(leaf.layout)}: pass arrays with the plan's shardings, or make the plan "
-          "from these arrays")
-
-
-def place_on_plan_layouts(plan: Plan, flat: list) -> list:
-  """``flat`` with every leaf the plan splits into blocks placed on the plan's layout (a copy
-  only where it is laid out otherwise: e.g. a state restored onto the default device)."""
-  out = []
-  for x, leaf in zip(flat, plan.leaves):
-    if leaf.layout is not None and not _is_traced(x) and _layout_of(x, leaf) != leaf.layout \
-        and isinstance(leaf.layout.mesh, jax.sharding.Mesh):
-      x = jax.device_put(x, NamedSharding(leaf.layout.mesh, leaf.layout.spec))
-    out.append(x)
-  return out
+          f"{what}: leaf {leaf.path} is {_describe(actual)}, the plan's is "
+          f"{_describe(leaf.layout)} on an abstract mesh (this process lacks the trainer's "
+          "devices): diff where the trainer's arrays live")
+    out.append(jax.device_put(x, target))
+    moved[leaf.path] = f"{_describe(actual)}; the plan's is {_describe(leaf.layout)}"
+  return out, moved
 
 
 def owned_leaves(flat: list) -> list:

@@ -19,12 +19,13 @@ The sender keeps the last synced state in rollout dtypes. Each ``send`` runs two
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse._src.core.delta import check_layouts, commit_leaves, place_on_plan_layouts
+from jsparse._src.core.delta import commit_leaves, place_on_plan_layouts
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import ConfigError, VersionError
@@ -114,10 +115,12 @@ class Sender:
     self.coding = coding_option(coding)
     self.plan = plan
     self.version = check_version(version)
-    flat = place_on_plan_layouts(plan, commit_leaves(plan.flatten(params, what="params")))
+    flat, _ = place_on_plan_layouts(plan, commit_leaves(plan.flatten(params, what="params")),
+                                    what="params")
     self._snapshot, digest = programs.snapshot_and_digest(plan, flat)
     self._bits = digest_bytes(digest)  # of the snapshot's bit patterns
     self._needs_anchor = False  # set when a payload failed after the snapshot moved on
+    self._relaid: set[str] = set()  # leaves already warned about (laid out otherwise)
     self.last_stats: SendStats | None = None
 
   def state(self) -> SyncState:
@@ -138,6 +141,24 @@ class Sender:
     sender = cls(plan, params, version=version, anchor_every=anchor_every, coding=coding)
     check_digest(sender._bits, digest, version)
     return sender
+
+  def _placed_like_snapshot(self, flat: list) -> list:
+    """``flat`` placed where the snapshot lives (the plan's layout), the leaves that are not
+    resharded, with a warning once per leaf: a jitted train step may return a leaf laid out
+    otherwise than the plan recorded (XLA split a bias, or gathered a matrix)."""
+    out = []
+    for x, old, leaf in zip(flat, self._snapshot, self.plan.leaves):
+      if x.sharding.is_equivalent_to(old.sharding, x.ndim):
+        out.append(x)
+        continue
+      if leaf.path not in self._relaid:
+        self._relaid.add(leaf.path)
+        logging.getLogger("jsparse").warning(
+            "jsparse: params leaf %s is laid out otherwise than the plan (%s, not %s): "
+            "resharded for every diff; make the plan from arrays laid out like the trainer's",
+            leaf.path, x.sharding, old.sharding)
+      out.append(jax.device_put(x, old.sharding))
+    return out
 
   @property
   def digest(self) -> bytes:
@@ -181,8 +202,7 @@ class Sender:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}")
     full = full or self._needs_anchor or (self.anchor_every is not None
                                           and version % self.anchor_every == 0)
-    flat = commit_leaves(self.plan.flatten(params, what="params"))
-    check_layouts(self.plan, flat, what="params")
+    flat = self._placed_like_snapshot(commit_leaves(self.plan.flatten(params, what="params")))
     snapshot_ids = {id(x) for x in self._snapshot}  # the snapshot is donated below
     flat = [jnp.copy(x) if id(x) in snapshot_ids else x for x in flat]
     changes, self._snapshot, digest = programs.sender_changes(
