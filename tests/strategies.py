@@ -80,7 +80,8 @@ def nudge_leaf(rng: np.random.Generator, v: np.ndarray, density: float) -> np.nd
   v = np.array(v)
   if v.dtype == np.float32:
     moved = rng.random(v.shape) < density
-    v = np.where(moved, v * (1 + rng.normal(size=v.shape) * 2e-2), v).astype(v.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):  # special values (inf, NaN) stay special
+      v = np.where(moved, v * (1 + rng.normal(size=v.shape) * 2e-2), v).astype(v.dtype)
   return v
 
 
