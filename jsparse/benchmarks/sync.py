@@ -35,7 +35,8 @@ import zstandard
 
 import jsparse
 from jsparse._src.core import bits as bits_lib
-from jsparse._src.core.delta import apply_program, diff_program, layouts_of
+from jsparse._src.core.delta import apply_program, diff_program
+from jsparse._src.core.placement import layouts_of
 from jsparse._src.sync import programs
 from jsparse._src.wire import framing
 from jsparse._src.wire.payload import (Coding, Kind, Payload, segment_host_bits,

@@ -7,6 +7,7 @@ import pytest
 
 import jsparse
 from jsparse._src.core import delta as delta_lib
+from jsparse._src.core import placement
 from jsparse.testing import assert_trees_bitwise_equal
 from tests.meshes import PAIRS, SHAPES, assert_layout, place, trees
 
@@ -60,8 +61,8 @@ def test_no_device_materializes_a_full_leaf():
   r_base = place(jax.tree.map(np.asarray, plan.cast({"w": base, "emb": base})), "dp2xtp4")
   delta = jsparse.diff(plan, t_base, t_base)
   r_flat = plan.flatten(r_base, what="rollout")
-  layouts = delta_lib.layouts_of(plan, r_flat)
-  delta = delta_lib._colocate(plan, delta, r_flat)
+  layouts = placement.layouts_of(plan, r_flat)
+  delta = delta_lib.colocate(plan, delta, r_flat)
   apply_temp = _per_device_temp(delta_lib.apply_program(True), plan, layouts, r_base, delta)
   rollout_shard_bytes = 2 * (base.size // 4) * 2  # two bf16 leaves split 4 ways by 'tensor'
   print(f"\nper-device temp: diff {diff_temp / shard_bytes:.3f}x the per-device trainer shard "

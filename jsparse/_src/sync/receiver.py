@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 
 from jsparse._src.core import bits as bits_lib
-from jsparse._src.core.delta import commit_leaves, layouts_of, owned_leaves
+from jsparse._src.core.placement import commit_leaves, layouts_of, owned_leaves
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import IntegrityError, VersionError

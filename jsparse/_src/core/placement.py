@@ -1,0 +1,139 @@
+"""Where leaves live: placing them so that one jitted program can take them all, moving no
+more data than needed, and owning buffers before donating them.
+
+>>> import jax.numpy as jnp, numpy as np
+>>> [x.committed for x in commit_leaves([np.zeros(3), jnp.ones(2)])]
+[True, True]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jsparse._src.core.layout import Layout
+from jsparse._src.core.plan import LeafSpec, Plan
+from jsparse._src.errors import PlanMismatchError
+
+
+def is_traced(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def _splits_nothing(sharding: Any) -> bool:
+  """A NamedSharding whose spec names only mesh axes of size 1: every device holds the whole
+  array, though an Explicit mesh types it as sharded (and then refuses e.g. a cumsum)."""
+  if not isinstance(sharding, NamedSharding):
+    return False
+  axes = [a for entry in sharding.spec if entry is not None
+          for a in ((entry,) if isinstance(entry, str) else entry)]
+  return bool(axes) and all(sharding.mesh.shape[a] == 1 for a in axes)
+
+
+def commit_leaves(flat: list) -> list:
+  """Places every leaf where one jitted program can take them all, moving no data.
+
+  Committed arrays stay where they are; a leaf whose sharding splits nothing (only size-1 mesh
+  axes) is relabelled replicated on its mesh; uncommitted leaves (numpy, plain ``jnp``) go
+  replicated onto the mesh the other leaves live on, else to the default device. Traced leaves
+  (inside the caller's ``jit``) are left alone. jit caches by committedness too: committing up
+  front keeps later calls, whose inputs are jit outputs (committed), on the first compilation.
+  """
+  meshes = [x.sharding.mesh for x in flat if isinstance(x, jax.Array) and not is_traced(x)
+            and isinstance(x.sharding, NamedSharding) and getattr(x, "committed", True)]
+  default = (NamedSharding(meshes[0], PartitionSpec()) if meshes
+             else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  out = []
+  for x in flat:
+    if is_traced(x):
+      out.append(x)
+    elif not isinstance(x, jax.Array) or not getattr(x, "committed", True):
+      out.append(jax.device_put(x, default))
+    elif _splits_nothing(x.sharding):
+      out.append(jax.device_put(x, NamedSharding(x.sharding.mesh, PartitionSpec())))
+    else:
+      out.append(jax.device_put(x, x.sharding))
+  return out
+
+
+def _layout_of(x: Any, leaf: LeafSpec) -> Layout | None:
+  sharding = x.sharding if isinstance(x, jax.Array) else None
+  return Layout.of(sharding, leaf.shape)
+
+
+def _describe(layout: Layout | None) -> str:
+  return "not split into blocks" if layout is None else \
+      f"split as {layout.spec} over mesh {dict(layout.mesh.shape)}"
+
+
+def place_on_plan_layouts(plan: Plan, flat: list, *, what: str
+                          ) -> tuple[list, dict[str, str]]:
+  """``flat`` with every concrete trainer leaf laid out as the plan says, and for each leaf that
+  had to move, its path and what it was. A jitted train step may return a leaf laid out otherwise than the
+  plan recorded (XLA chose to split a bias, or to gather a matrix); host numpy leaves have no
+  layout. Moving them costs one reshard (what the jitted diff would otherwise do implicitly,
+  or refuse on an Explicit mesh).
+
+  Raises:
+    PlanMismatchError: naming the leaf, when the plan's mesh is abstract (an unpickled plan in
+      a process without the trainer's devices) and the leaf is laid out otherwise.
+  """
+  out, moved = [], {}
+  for x, leaf in zip(flat, plan.leaves):
+    actual = None if is_traced(x) or not isinstance(x, jax.Array) else _layout_of(x, leaf)
+    if is_traced(x) or actual == leaf.layout or (actual is None and leaf.layout is None):
+      out.append(x)
+      continue
+    if leaf.layout is None:  # split, the plan holds it whole: whole on the same mesh
+      target = NamedSharding(x.sharding.mesh, PartitionSpec())
+    elif isinstance(leaf.layout.mesh, jax.sharding.Mesh):
+      target = NamedSharding(leaf.layout.mesh, leaf.layout.spec)
+    else:
+      raise PlanMismatchError(
+          f"{what}: leaf {leaf.path} is {_describe(actual)}, the plan's is "
+          f"{_describe(leaf.layout)} on an abstract mesh (this process lacks the trainer's "
+          "devices): diff where the trainer's arrays live")
+    out.append(jax.device_put(x, target))
+    moved[leaf.path] = f"{_describe(actual)}; the plan's is {_describe(leaf.layout)}"
+  return out, moved
+
+
+def owned_leaves(flat: list) -> list:
+  """Copies of ``flat``'s leaves that nobody else holds (same shardings), for a caller that
+  will donate them: the caller's arrays, tied weights (one array at two leaves) and arrays
+  shared with a sender in the same process stay alive."""
+  return _copy_leaves(flat)
+
+
+@jax.jit
+def _copy_leaves(flat: list) -> list:
+  return [jnp.copy(x) for x in flat]
+
+
+def distinct_buffers(flat: list) -> list:
+  """``flat`` with every leaf that repeats an earlier one (tied weights) copied, so that a
+  donating program does not donate one buffer twice."""
+  seen: set[int] = set()
+  out = []
+  for x in flat:
+    out.append(jnp.copy(x) if id(x) in seen else x)
+    seen.add(id(x))
+  return out
+
+
+def layouts_of(plan: Plan, flat: list) -> tuple[Layout | None, ...]:
+  """The block layout of each concrete leaf of ``flat`` (None for traced or unsplit leaves)."""
+  return tuple(Layout.of(getattr(x, "sharding", None) if isinstance(x, jax.Array)
+                         and not isinstance(x, jax.core.Tracer) else None, leaf.shape)
+               for x, leaf in zip(flat, plan.leaves))
+
+
+def replicated_on(x: Any) -> Any:
+  """A replicated sharding on the devices that hold ``x`` (None if ``x`` is not an array)."""
+  sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return sharding
