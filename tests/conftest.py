@@ -7,7 +7,10 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+from tests.helpers import release_compiled_programs_if_many  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -18,7 +21,6 @@ settings.register_profile("thorough", parent=settings.get_profile("default"), ma
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
-
 def pytest_addoption(parser):
   parser.addoption("--fuzz-examples", type=int, default=8,
                    help="cases of the whole-stack fuzz (tests/sync/test_fuzz.py)")
@@ -26,3 +28,10 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   os.environ["JSPARSE_FUZZ_EXAMPLES"] = str(config.getoption("--fuzz-examples"))
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_programs():
+  """Keeps the session below the kernel's limit of memory maps (see the helper)."""
+  yield
+  release_compiled_programs_if_many()

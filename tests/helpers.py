@@ -9,3 +9,20 @@ def compilations(jitted: Callable) -> int:
   """How many programs a ``jax.jit`` function has compiled so far (its cache size; a private
   JAX method, wrapped here only)."""
   return jitted._cache_size()
+
+
+def release_compiled_programs_if_many(limit: int = 20000) -> None:
+  """Drops JAX's compiled programs once this process maps more than ``limit`` memory regions.
+
+  Each XLA:CPU executable maps a few regions; a long test session (hypothesis compiles a
+  program per drawn plan) would reach the kernel's ``vm.max_map_count`` (65530 by default),
+  where the next compilation segfaults. Seen here twice before this guard.
+  """
+  import gc
+  from pathlib import Path
+
+  import jax
+  maps = Path("/proc/self/maps")
+  if maps.exists() and sum(1 for _ in maps.open()) > limit:
+    jax.clear_caches()
+    gc.collect()

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jsparse
 from jsparse.testing import trees_bitwise_equal
 from tests import strategies
+from tests.helpers import release_compiled_programs_if_many
 
 _MESHES = [None, ((8,), ("x",)), ((2, 4), ("a", "b")), ((1, 8), ("a", "b"))]
 
@@ -62,6 +63,7 @@ def _host(tree):
        st.sampled_from([64, 4096]))
 def test_the_whole_stack_is_exact_or_refuses_cleanly(seed, trainer_mesh, rollout_mesh, coding,
                                                       capacity, bucket_size):
+  release_compiled_programs_if_many()  # each case compiles its own programs
   rng = np.random.default_rng(seed)
   dtypes = [strategies.ALL_DTYPES[i] for i in rng.integers(0, len(strategies.ALL_DTYPES), 3)]
   shapes = [(8 * int(rng.choice([2, 4])), 16), (int(rng.choice([0, 7, 33])),), ()]
