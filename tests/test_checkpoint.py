@@ -371,3 +371,15 @@ def test_numpy_integer_steps_are_accepted(tmp_path):
   with jsparse.DeltaCheckpointManager(tmp_path, _plan(trees[0])) as chain:
     assert chain.save(np.int64(1), trees[0]).step == 1
     assert chain.save(np.int32(2), trees[1]).kind == "delta"
+
+
+def test_64_bit_leaves_with_large_jumps_are_saved_and_restored(tmp_path):
+  with jax.enable_x64(True):
+    tree = {"f": np.linspace(-1, 1, 300), "i": np.arange(300, dtype=np.int64)}
+    steps = [tree, {"f": tree["f"] * 2.0, "i": tree["i"] + 2**40},
+             {"f": -tree["f"], "i": tree["i"] - 2**62}]
+    plan = jsparse.make_plan(tree, capacity=1.0)
+    with jsparse.DeltaCheckpointManager(tmp_path, plan) as chain:
+      assert [chain.save(s, t).kind for s, t in enumerate(steps)] == ["base", "delta", "delta"]
+      for s, t in enumerate(steps):
+        assert_trees_bitwise_equal(chain.restore(s), t)

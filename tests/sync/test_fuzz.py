@@ -13,7 +13,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jsparse
@@ -82,7 +82,9 @@ def test_the_whole_stack_is_exact_or_refuses_cleanly(seed, trainer_mesh, rollout
     before, version = _host(careful.params), careful.version
     try:
       careful.receive(_mutate(rng, data))  # accepted only if the mutation changed nothing
-    except jsparse.JsparseError:
+      event("mutated payload accepted, exact")
+    except jsparse.JsparseError as e:
+      event(f"mutated payload refused: {type(e).__name__}")
       assert careful.version == version and trees_bitwise_equal(careful.params, before)
       careful.receive(data)  # the good one is accepted
     fast.receive(data)  # the donating receiver gets the good payloads only
