@@ -1,4 +1,6 @@
-"""How a leaf is split into blocks over a mesh: :class:`Layout`.
+"""How a leaf is split into blocks over a mesh (:class:`Layout`), and the mesh context that
+jsparse's programs run in (:func:`no_context_mesh`: the arrays' own meshes, whatever the caller
+set with ``jax.set_mesh``).
 
 A leaf held as a ``NamedSharding`` that splits some dimensions is a grid of equal blocks, one per
 device group; jsparse diffs, applies and digests such leaves block by block (``blocks.py``).
