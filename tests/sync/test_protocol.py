@@ -378,3 +378,23 @@ def test_plans_pickle_in_process_and_to_a_process_without_the_devices():
   assert out.returncode == 0, out.stderr.decode()[-2000:]
   assert out.stdout.decode().split() == ["1", plan.fingerprint.hex(), "AbstractMesh"]
   assert sender.send(params)
+
+
+def test_a_rollout_builds_the_trainers_plan_from_abstract_shapes():
+  """No arrays shipped: ShapeDtypeStructs with shardings on an AbstractMesh give the trainer's
+  fingerprint, and that plan serves a receiver."""
+  from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  params = {"w": jax.device_put(jnp.zeros((64, 8)), NamedSharding(mesh, P("fsdp"))),
+            "b": jnp.zeros(8)}
+  trainer_plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  abstract_mesh = AbstractMesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  shapes = {"w": jax.ShapeDtypeStruct((64, 8), jnp.float32,
+                                      sharding=NamedSharding(abstract_mesh, P("fsdp"))),
+            "b": jax.ShapeDtypeStruct((8,), jnp.float32)}
+  rollout_plan = jsparse.make_plan(shapes, rollout_dtype=jnp.bfloat16)
+  assert rollout_plan.fingerprint == trainer_plan.fingerprint
+  receiver = jsparse.Receiver(rollout_plan, trainer_plan.cast(params))
+  new = {"w": params["w"] + 1, "b": params["b"]}
+  out = receiver.receive(jsparse.Sender(trainer_plan, params).send(new))
+  assert_trees_bitwise_equal(out, trainer_plan.cast(new))
