@@ -150,8 +150,8 @@ def diff(plan: Plan, base: PyTree, new: PyTree) -> Delta:
   ([20], [True], [0, 50, 100])
   """
   base, new = (jax.tree.unflatten(plan.treedef, place_on_plan_layouts(
-      plan, plan.flatten(tree, what=what), what=what)[0]) for tree, what in ((base, "base"),
-                                                                               (new, "new")))
+      plan, plan.flatten(tree, what=what), what=what)) for tree, what in ((base, "base"),
+                                                                            (new, "new")))
   return diff_program(plan, base, new)
 
 

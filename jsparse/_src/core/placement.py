@@ -69,22 +69,20 @@ def _describe(layout: Layout | None) -> str:
       f"split as {layout.spec} over mesh {dict(layout.mesh.shape)}"
 
 
-def place_on_plan_layouts(plan: Plan, flat: list, *, what: str
-                          ) -> tuple[list, dict[str, str]]:
-  """``flat`` with every concrete trainer leaf laid out as the plan says, and for each leaf that
-  had to move, its path and what it was. A jitted train step may return a leaf laid out otherwise than the
-  plan recorded (XLA chose to split a bias, or to gather a matrix); host numpy leaves have no
-  layout. Moving them costs one reshard (what the jitted diff would otherwise do implicitly,
-  or refuse on an Explicit mesh).
+def place_on_plan_layouts(plan: Plan, flat: list, *, what: str) -> list:
+  """``flat`` with every concrete trainer leaf laid out as the plan says. A jitted train step
+  may return a leaf laid out otherwise than the plan recorded (XLA split a bias, or gathered a
+  matrix); host numpy leaves have no layout. Moving them costs one reshard (what the jitted diff
+  would otherwise do implicitly, or refuse on an Explicit mesh).
 
   Raises:
     PlanMismatchError: naming the leaf, when the plan's mesh is abstract (an unpickled plan in
       a process without the trainer's devices) and the leaf is laid out otherwise.
   """
-  out, moved = [], {}
+  out = []
   for x, leaf in zip(flat, plan.leaves):
     actual = None if is_traced(x) or not isinstance(x, jax.Array) else _layout_of(x, leaf)
-    if is_traced(x) or actual == leaf.layout or (actual is None and leaf.layout is None):
+    if is_traced(x) or actual == leaf.layout:
       out.append(x)
       continue
     if leaf.layout is None:  # split, the plan holds it whole: whole on the same mesh
@@ -97,8 +95,7 @@ def place_on_plan_layouts(plan: Plan, flat: list, *, what: str
           f"{_describe(leaf.layout)} on an abstract mesh (this process lacks the trainer's "
           "devices): diff where the trainer's arrays live")
     out.append(jax.device_put(x, target))
-    moved[leaf.path] = f"{_describe(actual)}; the plan's is {_describe(leaf.layout)}"
-  return out, moved
+  return out
 
 
 def owned_leaves(flat: list) -> list:

@@ -115,8 +115,8 @@ class Sender:
     self.coding = coding_option(coding)
     self.plan = plan
     self.version = check_version(version)
-    flat, _ = place_on_plan_layouts(plan, commit_leaves(plan.flatten(params, what="params")),
-                                    what="params")
+    flat = place_on_plan_layouts(plan, commit_leaves(plan.flatten(params, what="params")),
+                                 what="params")
     self._snapshot, digest = programs.snapshot_and_digest(plan, flat)
     self._bits = digest_bytes(digest)  # of the snapshot's bit patterns
     self._needs_anchor = False  # set when a payload failed after the snapshot moved on
@@ -143,9 +143,9 @@ class Sender:
     return sender
 
   def _placed_like_snapshot(self, flat: list) -> list:
-    """``flat`` placed where the snapshot lives (the plan's layout), the leaves that are not
-    resharded, with a warning once per leaf: a jitted train step may return a leaf laid out
-    otherwise than the plan recorded (XLA split a bias, or gathered a matrix)."""
+    """``flat`` with every leaf placed like the snapshot (which lies on the plan's layout). A
+    jitted train step may return a leaf laid out otherwise (XLA split a bias, or gathered a
+    matrix): it is resharded, with a warning the first time for each leaf."""
     out = []
     for x, old, leaf in zip(flat, self._snapshot, self.plan.leaves):
       if x.sharding.is_equivalent_to(old.sharding, x.ndim):

@@ -7,8 +7,9 @@ elements lie before position ``p``" is a sum of per-block counts, each computed 
 that holds the block from its own class tables (a popcount over ≤ 8 words) and added up with one
 ``psum`` of the queries' counts. Whole (unsplit) leaves of the segment answer the same question
 from their own tables. 32 rounds find every position exactly; per device the memory is the
-block's tables (n/8 bytes) plus a few arrays of the queries' size, and the traffic per round is
-one all-reduce of 4 bytes per query: no device sees another's block.
+block's tables (0.875 bytes per element: five bit planes and per-class prefix counts) plus a few
+arrays of the queries' size, and the traffic per round is one all-reduce of 4 bytes per query:
+no device sees another's block.
 
 This works for any rollout layout, so one payload stream serves rollouts with different meshes.
 
@@ -48,12 +49,10 @@ from jsparse._src.wire.ulp_codes import NUM_CLASSES
 _ROUNDS = 32  # positions are int32
 
 
-def _class_starts(tables: ranks_lib.ClassTables) -> jax.Array:
+def _class_starts(tables: ranks_lib.ClassTables, size: int) -> jax.Array:
   """``int32[17]``: the rank of the first element of each class, then the size."""
-  num_superblocks = tables.planes.shape[0]
-  starts = tables.first_rank[::num_superblocks]
-  size = jnp.sum(lax.population_count(tables.planes[:, 4, :]).astype(jnp.int32))
-  return jnp.concatenate([starts, size[None]])
+  starts = tables.first_rank[::tables.planes.shape[0]]
+  return jnp.concatenate([starts, jnp.full((1,), size, starts.dtype)])
 
 
 def _count_below(tables: ranks_lib.ClassTables, starts: jax.Array, size: int,
@@ -88,7 +87,7 @@ class _WholeLeaf:
   def __init__(self, bits: jax.Array, dtype: np.dtype):
     self.size = bits.shape[0]
     self.tables = ranks_lib.class_tables(bits, dtype)
-    self.starts = _class_starts(self.tables)
+    self.starts = _class_starts(self.tables, self.size)
 
   def totals(self) -> jax.Array:
     return self.starts[1:] - self.starts[:-1]
@@ -103,10 +102,11 @@ class _SplitLeaf:
   def __init__(self, leaf: jax.Array, layout: Layout, shape: tuple[int, ...], dtype: np.dtype):
     self.layout, self.shape, self.size = layout, shape, math.prod(shape)
     stacked = PartitionSpec(layout.split_axes)
+    block_size = math.prod(layout.block_shape(shape))
 
     def tables(block):
       t = ranks_lib.class_tables(bits_lib.to_bits(block).reshape(-1), dtype)
-      starts = _class_starts(t)
+      starts = _class_starts(t, block_size)
       return t.planes, t.first_rank, starts
     # Per-device tables, stacked along dimension 0 in block order (never gathered).
     self.planes, self.first_rank, self.starts = layout.shard_map(
