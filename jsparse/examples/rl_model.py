@@ -78,7 +78,8 @@ def markov_batches(cfg: Config, seed: int) -> Iterator[jax.Array]:
     yield jnp.asarray(tokens)
 
 
-def _loss(model: TinyLM, tokens: jax.Array) -> jax.Array:
+def loss(model: TinyLM, tokens: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy of ``model`` on a batch of ``tokens``."""
   logits = model(tokens[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
@@ -86,9 +87,9 @@ def _loss(model: TinyLM, tokens: jax.Array) -> jax.Array:
 @nnx.jit
 def train_step(model: TinyLM, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax.Array:
   """One optimizer step on a batch; returns the loss."""
-  loss, grads = nnx.value_and_grad(_loss)(model, tokens)
+  value, grads = nnx.value_and_grad(loss)(model, tokens)
   optimizer.update(model, grads)
-  return loss
+  return value
 
 
 def pretrained_model(cfg: Config = Config()) -> TinyLM:

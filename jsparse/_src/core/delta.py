@@ -81,7 +81,8 @@ def segment_bits(plan: Plan, segment: Segment, flat: list[jax.Array]) -> jax.Arr
 
 
 def _diff_segment(plan: Plan, segment: Segment, base: list, new: list) -> tuple[jax.Array, ...]:
-  """(positions, new values, old values, count, overflow) of one segment."""
+  """(positions, new values, old values, count, overflow, per-block counts or None) of one
+  segment."""
   if segment.blocks > 1:
     leaf_id = segment.leaf_ids[0]
     leaf = plan.leaves[leaf_id]
@@ -90,7 +91,7 @@ def _diff_segment(plan: Plan, segment: Segment, base: list, new: list) -> tuple[
         leaf.layout, leaf.shape, leaf.rollout_dtype, per_block, jnp.asarray(base[leaf_id]),
         jnp.asarray(new[leaf_id]))
     return (positions, values.astype(segment.bit_dtype), old_values.astype(segment.bit_dtype),
-            jnp.sum(block_counts), jnp.any(block_counts > per_block))
+            jnp.sum(block_counts), jnp.any(block_counts > per_block), block_counts)
   if not segment.pooled:
     leaf_id = segment.leaf_ids[0]
     positions, values, old_values, count = changed_elements(
@@ -101,17 +102,19 @@ def _diff_segment(plan: Plan, segment: Segment, base: list, new: list) -> tuple[
         segment_bits(plan, segment, base), segment_bits(plan, segment, new), segment.bit_dtype,
         segment.capacity)
   return (positions, values.astype(segment.bit_dtype), old_values.astype(segment.bit_dtype),
-          count, count > segment.capacity)
+          count, count > segment.capacity, None)
 
 
-def diff_flat_with_old(plan: Plan, base: list, new: list) -> tuple[Delta, tuple[jax.Array, ...]]:
-  """:func:`diff_flat`, and per segment the old bits at the delta's positions (0 where unused)."""
+def diff_flat_with_old(plan: Plan, base: list, new: list
+                       ) -> tuple[Delta, tuple[jax.Array, ...], tuple[jax.Array | None, ...]]:
+  """:func:`diff_flat`, and per segment the old bits at the delta's positions (0 where unused)
+  and, for a leaf split into blocks, ``int32[blocks]`` changes per block (else None)."""
   parts = [_diff_segment(plan, seg, base, new) for seg in plan.segments]
   if not parts:
-    return Delta((), (), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), bool)), ()
+    return Delta((), (), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), bool)), (), ()
   delta = Delta(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
                 jnp.stack([p[3] for p in parts]), jnp.stack([p[4] for p in parts]))
-  return delta, tuple(p[2] for p in parts)
+  return delta, tuple(p[2] for p in parts), tuple(p[5] for p in parts)
 
 
 def diff_flat(plan: Plan, base: list, new: list) -> Delta:

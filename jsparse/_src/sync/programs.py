@@ -29,6 +29,7 @@ import numpy as np
 from jsparse._src.core.delta import Delta, apply_flat, diff_flat_with_old, segment_bits
 from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.plan import Plan, Segment
+from jsparse._src.core.units import local_value
 from jsparse._src.wire import block_ranks
 from jsparse._src.wire import ranks as ranks_lib
 from jsparse._src.wire import ulp_codes
@@ -43,11 +44,14 @@ class DeviceChanges(NamedTuple):
     old_values: per segment, the old bits at the delta's positions (for ulp codes).
     ranks: per segment, the ranks of its first changes in the exponent-class order (None for
       segments named by position); None when no segment is ranked.
+    block_counts: per segment, ``int32[blocks]`` changes per trainer block of a split leaf
+      (None for the others).
   """
 
   delta: Delta
   old_values: tuple
   ranks: tuple | None
+  block_counts: tuple = ()
 
 
 class ReceiverInputs(NamedTuple):
@@ -89,13 +93,14 @@ def _tables(plan: Plan, seg: Segment, flat: list) -> ranks_lib.ClassTables:
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
 def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list):
-  """(delta, old bits at its positions, class tables of the ordered segments (if ``ranked``;
-  for :func:`rank_program`), the next snapshot, its digest). The snapshot is donated."""
-  delta, old_values = diff_flat_with_old(plan, snapshot, new)
+  """(delta, old bits at its positions, per-block counts, class tables of the ordered segments
+  (if ``ranked``; for :func:`rank_program`), the next snapshot, its digest). The snapshot is
+  donated."""
+  delta, old_values, block_counts = diff_flat_with_old(plan, snapshot, new)
   tables = tuple(_tables(plan, seg, snapshot) if ranked and seg.ordered else None
                  for seg in plan.segments)
   next_snapshot = cast_flat(plan, new)
-  return (delta, old_values, tables, next_snapshot,
+  return (delta, old_values, block_counts, tables, next_snapshot,
           bits_digest(next_snapshot, _trainer_layouts(plan)))
 
 
@@ -117,13 +122,13 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
                    ) -> tuple[DeviceChanges, list[jax.Array], jax.Array]:
   """The sender's device stage: (its changes, the next snapshot, its digest). ``snapshot`` is
   donated. ``ranks=False`` skips ranking (an anchor needs none)."""
-  delta, old_values, tables, next_snapshot, digest = diff_program(plan, coding.ranked, snapshot,
-                                                                  new)
+  delta, old_values, block_counts, tables, next_snapshot, digest = diff_program(
+      plan, coding.ranked, snapshot, new)
   ranks_out = None
   if coding.ranked and ranks:  # ranks need only as many slots as this step's changes
-    slots = slots_needed(plan, np.asarray(delta.counts))
+    slots = slots_needed(plan, local_value(delta.counts))
     ranks_out = rank_program(plan, slots, tables, delta.indices, old_values)
-  return DeviceChanges(delta, old_values, ranks_out), next_snapshot, digest
+  return DeviceChanges(delta, old_values, ranks_out, block_counts), next_snapshot, digest
 
 
 def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
@@ -137,10 +142,14 @@ def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
   return tuple(seg.capacity for seg in plan.segments)
 
 
-def receiver_inputs(plan: Plan, payload: Payload) -> ReceiverInputs:
-  """The sparse records of a decoded ``payload`` as :class:`ReceiverInputs`."""
+def receiver_inputs(plan: Plan, payload: Payload, *, slot_counts=None,
+                    ranked: bool | None = None) -> ReceiverInputs:
+  """The sparse records of a decoded ``payload`` as :class:`ReceiverInputs`. A rollout process
+  of a multi-process job passes what every process shares: the ``slot_counts`` (per segment,
+  the changes of the whole version, which size the programs) and whether the ordered segments
+  are ``ranked``; by default both come from the payload."""
   counts = np.array([p.count for p in payload.segments], np.int32)
-  slots = slots_needed(plan, counts)
+  slots = slots_needed(plan, counts if slot_counts is None else slot_counts)
   keys, values = [], []
   for seg, part, n, count in zip(plan.segments, payload.segments, slots, counts):
     key = np.full(n, seg.size, np.int32)
@@ -149,8 +158,11 @@ def receiver_inputs(plan: Plan, payload: Payload) -> ReceiverInputs:
       key[:count], value[:count] = part.indices, part.values
     keys.append(key)
     values.append(value)
-  modes = [p.mode for p in payload.segments]
-  return ReceiverInputs(tuple(keys), tuple(values), counts, ranked_segments(plan, modes),
+  if ranked is None:
+    ranked_flags = ranked_segments(plan, [p.mode for p in payload.segments])
+  else:
+    ranked_flags = tuple(seg.ordered and ranked for seg in plan.segments)
+  return ReceiverInputs(tuple(keys), tuple(values), counts, ranked_flags,
                         payload.format == Format.COMPACT)
 
 

@@ -18,14 +18,17 @@ place when donated), and verify the digest of the result against the sender's.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.placement import commit_leaves, layouts_of, owned_leaves
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
-from jsparse._src.errors import IntegrityError, VersionError
+from jsparse._src.errors import IntegrityError, JsparseError, VersionError
 from jsparse._src.pytree import PyTree
+from jsparse._src.sync import parts as parts_lib
 from jsparse._src.sync import programs
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, versioned_digest)
@@ -72,6 +75,7 @@ class Receiver:
     self._layouts = layouts_of(plan, self._flat)
     self._donate = donate
     self._bits = digest_bytes(programs.digest_program(self._flat, self._layouts))
+    self.last_read: parts_lib.ReadStats | None = None  # of the last receive_parts
 
   @property
   def params(self) -> PyTree:
@@ -132,6 +136,54 @@ class Receiver:
                                            programs.receiver_inputs(self.plan, payload),
                                            donate=self._donate)
     self._verify_and_commit(payload, flat, digest_bytes(digest))
+    return self.params
+
+  def receive_parts(self, parts: Sequence) -> PyTree:
+    """Applies one version sent as parts (:meth:`Sender.send_part`, one per trainer process)
+    and returns the new params.
+
+    Reads every part's index, then only the units that overlap the blocks this process holds:
+    pass the parts as ``bytes`` or as anything with ``len`` and slicing (e.g. an ``mmap`` of a
+    file) to read only those bytes (:attr:`last_read` says how many). All parts of the version
+    must be given; the version is applied only when every part is present once, intact and of
+    the same version, and, in a rollout job of several processes (each calling this with the
+    same parts), only when every process accepted its reads.
+
+    Raises:
+      PayloadError: a corrupt, truncated, foreign, missing, repeated or mismatched part.
+      VersionError, IntegrityError: as :meth:`receive`.
+      Nothing is applied, except as :meth:`receive` says for a donating receiver.
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)
+    >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(8)})
+    >>> receiver = jsparse.Receiver(plan, {'w': jnp.zeros(8, jnp.bfloat16)})
+    >>> _ = receiver.receive_parts([sender.send_part({'w': jnp.ones(8)})])
+    >>> receiver.version, receiver.last_read.units_read
+    (1, 1)
+    """
+    return self._apply_parts(parts)
+
+  @mesh_neutral
+  def _apply_parts(self, parts: Sequence) -> PyTree:
+    error, read = None, None
+    try:
+      read = parts_lib.read_parts(self.plan, parts, self._flat)
+      self._check_base(read.header)
+    except JsparseError as e:
+      error = e
+    parts_lib.agree(error, self._flat)
+    self.last_read = read.stats
+    flat = parts_lib.write_dense_units(self.plan, self._flat, read)
+    if not read.any_sparse:
+      digest = programs.digest_program(flat, self._layouts)
+    else:
+      inputs = programs.receiver_inputs(self.plan, parts_lib.merged_payload(self.plan, read),
+                                        slot_counts=read.sparse_counts,
+                                        ranked=read.header.ranked)
+      flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
+                                           donate=self._donate)
+    self._verify_and_commit(read.header, flat, digest_bytes(digest))
     return self.params
 
   def _check_base(self, payload: Payload) -> None:

@@ -31,7 +31,10 @@ from jsparse._src.core.plan import Plan
 from jsparse._src.errors import ConfigError, VersionError
 from jsparse._src.options import int_option
 from jsparse._src.pytree import PyTree
+from jsparse._src.core.units import local_value, owned_units
 from jsparse._src.sync import programs
+from jsparse._src.sync.parts import part_records
+from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, versioned_digest)
 from jsparse._src.wire import framing
@@ -121,6 +124,7 @@ class Sender:
     self._bits = digest_bytes(digest)  # of the snapshot's bit patterns
     self._needs_anchor = False  # set when a payload failed after the snapshot moved on
     self._relaid: set[str] = set()  # leaves already warned about (laid out otherwise)
+    self._units: tuple | None = None  # what this process sends in a part (on first use)
     self.last_stats: SendStats | None = None
 
   def state(self) -> SyncState:
@@ -197,6 +201,56 @@ class Sender:
               version: int | None = None) -> Payload:
     """Like :meth:`send`, but returns the decoded payload (what
     :meth:`Receiver.apply_payload` applies), not its bytes."""
+    if not all(x.is_fully_addressable for x in self._snapshot):
+      raise ConfigError("the params span several processes: in a multi-controller job every "
+                        "process calls send_part() and ships its own part")
+
+    def whole(changes: programs.DeviceChanges, snapshot: list, full: bool) -> tuple:
+      delta, old_values, ranks = jax.device_get(changes[:3])
+      return segment_records(self.plan, self.coding, delta, old_values, ranks,
+                             dense=lambda s: segment_host_bits(self.plan, s, snapshot),
+                             full=full)
+
+    head, segments = self._step(params, full, version, whole)
+    return Payload(head.kind, head.base_version, head.version, head.base_digest,
+                   head.new_digest, segments, self.coding.format)
+
+  def send_part(self, params: PyTree, *, full: bool = False, version: int | None = None) -> bytes:
+    """This process's part of the payload to the next version: in a multi-controller trainer
+    (one process per host, params spanning them) every process calls it with the same
+    arguments, and the parts of all processes together bring a rollout to the next version
+    (:meth:`Receiver.receive_parts`). Each process codes only the blocks it holds; a leaf held
+    whole by several processes is sent by one of them. In a single process the one part is
+    the whole update. Arguments and errors as :meth:`send`.
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> plan = jsparse.make_plan({'w': jnp.zeros(100)}, rollout_dtype=jnp.bfloat16)
+    >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(100)})
+    >>> part = sender.send_part({'w': jnp.zeros(100).at[5].set(1.0)})
+    >>> receiver = jsparse.Receiver(plan, {'w': jnp.zeros(100, jnp.bfloat16)})
+    >>> float(receiver.receive_parts([part])['w'][5])
+    1.0
+    """
+    if self._units is None:
+      self._units = owned_units(self.plan, self._snapshot, jax.process_index())
+
+    def mine(changes: programs.DeviceChanges, snapshot: list, full: bool) -> list:
+      return part_records(self.plan, self.coding, self._units, changes, snapshot, full)
+
+    head, records = self._step(params, full, version, mine)
+    try:
+      data = encode_part(self.plan, dataclasses.replace(
+          head, part=jax.process_index(), parts=jax.process_count()), self._units, records)
+    except BaseException:
+      self._needs_anchor = True
+      raise
+    self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data))
+    return data
+
+  @mesh_neutral
+  def _step(self, params: PyTree, full: bool, version: int | None, host_stage) -> tuple:
+    """Diffs ``params`` against the snapshot, codes the changes with ``host_stage(changes,
+    next snapshot, full)`` and moves to the new version: (the header, the records)."""
     version = check_version(self.version + 1 if version is None else version)
     if version <= self.version:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}")
@@ -209,18 +263,18 @@ class Sender:
         self.plan, self.coding, self._snapshot, flat, ranks=not full)
     snapshot = self._snapshot  # the old one was donated: from here on, only an anchor is exact
     try:
-      delta, old_values, ranks = jax.device_get(changes)
-      segments = segment_records(self.plan, self.coding, delta, old_values, ranks,
-                                 dense=lambda s: segment_host_bits(self.plan, s, snapshot),
-                                 full=full)
+      records = host_stage(changes, snapshot, full)
     except BaseException:
       self._needs_anchor = True
       raise
     self._needs_anchor = False
     new_bits = digest_bytes(digest)
-    payload = Payload(Kind.ANCHOR if full else Kind.DELTA, self.version, version, self.digest,
-                      versioned_digest(new_bits, version), segments, self.coding.format)
+    head = PartHeader(self.coding.format, Kind.ANCHOR if full else Kind.DELTA,
+                      self.coding.ranked and not full, self.version, version, self.digest,
+                      versioned_digest(new_bits, version), 0, 1)
     self.version, self._bits = version, new_bits
-    self.last_stats = SendStats(version, int(np.sum(delta.counts)), self.plan.num_elements,
-                                self.plan.rollout_bytes, int(np.sum(delta.overflow)), full)
-    return payload
+    delta = changes.delta
+    self.last_stats = SendStats(version, int(np.sum(local_value(delta.counts))),
+                                self.plan.num_elements, self.plan.rollout_bytes,
+                                int(np.sum(local_value(delta.overflow))), full)
+    return head, records

@@ -26,7 +26,8 @@ import numpy as np
 
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.delta import Delta
-from jsparse._src.core.plan import Plan
+from jsparse._src.core.plan import Plan, Segment
+from jsparse._src.core.units import local_value
 from jsparse._src.errors import PayloadError
 from jsparse._src.wire import ulp_codes
 
@@ -145,7 +146,7 @@ def list_or_bitmap(size: int, count: int) -> Mode:
 def segment_host_bits(plan: Plan, segment_id: int, flat: Sequence) -> np.ndarray:
   """The flat host bit patterns of one segment of rollout leaves ``flat`` (a dense record)."""
   seg = plan.segments[segment_id]
-  parts = [bits_lib.np_to_bits(np.asarray(flat[i])).reshape(-1) for i in seg.leaf_ids]
+  parts = [bits_lib.np_to_bits(local_value(flat[i])).reshape(-1) for i in seg.leaf_ids]
   return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
@@ -175,17 +176,22 @@ def segment_records(plan: Plan, coding: Coding, delta: Delta, old_values: Sequen
     if seg.blocks > 1:  # ascending per block, unused slots between blocks: merge the blocks
       order = np.argsort(indices, kind="stable")
       indices, values, old = indices[order], values[order], old[order]
-    indices, values, old = indices[:count], values[:count], old[:count]
-    if coding.format == Format.LISTS:
-      records.append(SegmentPayload(list_or_bitmap(seg.size, count), indices, values))
-      continue
-    codes = ulp_codes.ulp_codes(old, values, seg.dtype, np)
-    if ranks is not None and ranks[s] is not None:  # by class, then position: a stable sort
-      order = np.argsort(ulp_codes.exponent_class(old, seg.dtype, np), kind="stable")
-      records.append(SegmentPayload(Mode.BY_RANK, ranks[s][:count][order], codes[order]))
-    else:
-      records.append(SegmentPayload(Mode.BY_POSITION, indices, codes))
+    records.append(sparse_record(coding, seg, indices[:count], values[:count], old[:count],
+                                 None if ranks is None or ranks[s] is None else ranks[s][:count]))
   return tuple(records)
+
+
+def sparse_record(coding: Coding, seg: Segment, positions: np.ndarray, values: np.ndarray,
+                  old: np.ndarray, ranks: np.ndarray | None) -> SegmentPayload:
+  """The record of changes at ascending ``positions`` of ``seg`` (new bits ``values``, old bits
+  ``old``; their ``ranks`` if they are to be named by rank)."""
+  if coding.format == Format.LISTS:
+    return SegmentPayload(list_or_bitmap(seg.size, len(positions)), positions, values)
+  codes = ulp_codes.ulp_codes(old, values, seg.dtype, np)
+  if ranks is not None:  # by class, then position: a stable sort
+    order = np.argsort(ulp_codes.exponent_class(old, seg.dtype, np), kind="stable")
+    return SegmentPayload(Mode.BY_RANK, ranks[order], codes[order])
+  return SegmentPayload(Mode.BY_POSITION, positions, codes)
 
 
 def check_records(plan: Plan, payload: Payload) -> Payload:

@@ -1,0 +1,256 @@
+"""The host stages of a multi-process sync: a trainer process's part, a rollout process's read.
+
+Trainer side (:func:`part_records`): the records of the units this process owns, taken from the
+addressable shards of the jitted diff's outputs, never from another process's data. Rollout
+side (:func:`read_parts`): every part's index, checked as one version (all parts, once each,
+covering every segment exactly once), then only the unit bodies that overlap this process's
+blocks; :func:`merged_payload` and :func:`write_dense_units` turn them into the inputs of the
+receiver's device stage.
+
+>>> import jax.numpy as jnp, jsparse
+>>> params = {'w': jnp.zeros(1000)}
+>>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+>>> part = jsparse.Sender(plan, params).send_part({'w': params['w'].at[3].set(1.0)})
+>>> read = read_parts(plan, [part], jax.tree.leaves(plan.cast(params)))
+>>> read.stats.units_read, read.header.version
+(1, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jsparse._src.core import bits as bits_lib
+from jsparse._src.core.plan import Plan
+from jsparse._src.core.units import (Unit, block_box, local_value, needs_unit, owned_block_data,
+                                     owned_slots, process_boxes, to_segment_positions,
+                                     to_unit_positions, unit_slot, write_regions)
+from jsparse._src.errors import JsparseError, PayloadError
+from jsparse._src.sync.programs import DeviceChanges
+from jsparse._src.wire.parts import PartHeader, PartIndex, read_index, read_unit
+from jsparse._src.wire.payload import (Coding, Mode, Payload, SegmentPayload, segment_host_bits,
+                                       sparse_record)
+
+
+def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: DeviceChanges,
+                 snapshot: Sequence[jax.Array], full: bool) -> list[SegmentPayload]:
+  """The records of ``units`` (owned by this process), from a diff's device outputs and the new
+  ``snapshot``: dense for an anchor or an overflowed block, else sparse in the unit's space."""
+  delta = changes.delta
+  counts, overflow = local_value(delta.counts), local_value(delta.overflow)
+  records = []
+  for unit in units:
+    s = unit.segment
+    seg = plan.segments[s]
+    if seg.blocks == 1:
+      if full or overflow[s]:
+        records.append(SegmentPayload(Mode.DENSE, None, segment_host_bits(plan, s, snapshot)))
+        continue
+      n = int(counts[s])
+      ranks = None if changes.ranks is None or changes.ranks[s] is None else \
+          local_value(changes.ranks[s])[:n]
+      records.append(sparse_record(
+          coding, seg, local_value(delta.indices[s])[:n], local_value(delta.values[s])[:n],
+          local_value(changes.old_values[s])[:n], ranks))
+      continue
+    per_block = seg.capacity // seg.blocks
+    block_counts = owned_slots(changes.block_counts[s], 1, unit.blocks)
+    if full or np.any(block_counts > per_block):
+      leaf_id = seg.leaf_ids[0]
+      data = owned_block_data(plan.leaves[leaf_id].layout, snapshot[leaf_id], unit.blocks)
+      records.append(SegmentPayload(Mode.DENSE, None, bits_lib.np_to_bits(data)))
+      continue
+    positions = owned_slots(delta.indices[s], per_block, unit.blocks)
+    used = positions < seg.size  # each block's changes ascend; blocks come in unit order
+    records.append(sparse_record(
+        coding, unit_slot(plan, unit), to_unit_positions(plan, unit, positions[used]).astype(
+            np.int32), owned_slots(delta.values[s], per_block, unit.blocks)[used],
+        owned_slots(changes.old_values[s], per_block, unit.blocks)[used], None))
+  return records
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadStats:
+  """What a rollout process read of one version's parts.
+
+  Attributes:
+    parts: how many parts the version has.
+    units: units in all parts; ``units_read``: those this process needed.
+    bytes_total: bytes of all parts; ``bytes_read``: bytes this process read (every index,
+      and the bodies of the units it needed).
+  """
+
+  parts: int
+  units: int
+  units_read: int
+  bytes_total: int
+  bytes_read: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PartsRead:
+  """One version's parts as a rollout process read them.
+
+  Attributes:
+    header: what all the parts state alike (versions, digests, format).
+    records: the units this process needs, with their records.
+    sparse_counts: per segment, the sparse changes in all parts (what every process sizes its
+      programs by, whatever it read).
+    any_sparse: whether any part carries a sparse record.
+    stats: a :class:`ReadStats`.
+  """
+
+  header: PartHeader
+  records: tuple[tuple[Unit, SegmentPayload], ...]
+  sparse_counts: np.ndarray
+  any_sparse: bool
+  stats: ReadStats
+
+
+def read_parts(plan: Plan, parts: Sequence, held: Sequence[jax.Array]) -> PartsRead:
+  """Reads one version's ``parts`` (bytes, or anything with ``len`` and slicing, such as an
+  ``mmap``) for a process holding the shards of this process in ``held`` (rollout leaves).
+
+  Raises:
+    PayloadError: a corrupt, foreign, missing, repeated or mismatched part, or parts that do
+      not cover every segment exactly once.
+  """
+  if not len(parts):
+    raise PayloadError("no parts given")
+  indexes = [read_index(plan, p) for p in parts]
+  _check_one_version(indexes)
+  counts = _check_coverage(plan, indexes)
+  boxes = process_boxes(held)
+  records, bytes_read, units_read = [], 0, 0
+  for index, data in zip(indexes, parts):
+    bytes_read += index.entries[0].start if index.entries else index.size
+    for i, entry in enumerate(index.entries):
+      if needs_unit(plan, entry.unit, boxes):
+        records.append((entry.unit, read_unit(plan, index, data, i)))
+        bytes_read += entry.length
+        units_read += 1
+  stats = ReadStats(len(parts), sum(len(i.entries) for i in indexes), units_read,
+                    sum(i.size for i in indexes), bytes_read)
+  any_sparse = any(e.mode not in (Mode.DENSE, Mode.EMPTY) for i in indexes for e in i.entries)
+  return PartsRead(indexes[0].header, tuple(records), counts, any_sparse, stats)
+
+
+def _check_one_version(indexes: Sequence[PartIndex]) -> None:
+  first = indexes[0].header
+  for index in indexes[1:]:
+    if index.header.same_version() != first.same_version():
+      raise PayloadError(f"part {index.header.part} belongs to another version or sender than "
+                         f"part {first.part} (version {index.header.version} from "
+                         f"{index.header.base_version}, against {first.version} from "
+                         f"{first.base_version})")
+  numbers = sorted(i.header.part for i in indexes)
+  if numbers != list(range(first.parts)):
+    missing = sorted(set(range(first.parts)) - set(numbers))
+    repeated = sorted({n for n in numbers if numbers.count(n) > 1})
+    raise PayloadError(f"version {first.version} has {first.parts} parts; missing "
+                       f"{missing[:8]}, repeated {repeated[:8]}: nothing was applied")
+
+
+def _check_coverage(plan: Plan, indexes: Sequence[PartIndex]) -> np.ndarray:
+  """Per segment the sparse changes; raises unless the units cover every block once."""
+  covered = [np.zeros(seg.blocks, np.int64) for seg in plan.segments]
+  counts = np.zeros(len(plan.segments), np.int64)
+  for index in indexes:
+    for entry in index.entries:
+      covered[entry.unit.segment][list(entry.unit.blocks)] += 1
+      if entry.mode != Mode.DENSE:
+        counts[entry.unit.segment] += entry.count
+  for s, hits in enumerate(covered):
+    if np.any(hits != 1):
+      raise PayloadError(f"{plan.describe_segment(s)}: the parts cover its blocks "
+                         f"{hits.tolist()[:8]} times, not once each")
+  return counts
+
+
+def merged_payload(plan: Plan, read: PartsRead) -> Payload:
+  """The sparse records read, merged per segment in segment positions (EMPTY elsewhere and for
+  dense units, which :func:`write_dense_units` writes)."""
+  keys: list[list] = [[] for _ in plan.segments]
+  values: list[list] = [[] for _ in plan.segments]
+  modes = [Mode.EMPTY] * len(plan.segments)
+  for unit, record in read.records:
+    if record.mode in (Mode.DENSE, Mode.EMPTY):
+      continue
+    s = unit.segment
+    key = record.indices if record.mode == Mode.BY_RANK else \
+        to_segment_positions(plan, unit, record.indices)
+    keys[s].append(key)
+    values[s].append(record.values)
+    modes[s] = record.mode if record.mode in (Mode.BY_RANK, Mode.BY_POSITION) else Mode.LIST
+  segments = []
+  for s, seg in enumerate(plan.segments):
+    if not keys[s]:
+      segments.append(SegmentPayload(Mode.EMPTY, np.zeros(0, np.int32), np.zeros(0, seg.bit_dtype)))
+      continue
+    key, value = np.concatenate(keys[s]), np.concatenate(values[s])
+    order = np.argsort(key, kind="stable")
+    segments.append(SegmentPayload(modes[s], key[order].astype(np.int32), value[order]))
+  head = read.header
+  return Payload(head.kind, head.base_version, head.version, head.base_digest, head.new_digest,
+                 tuple(segments), head.format)
+
+
+def write_dense_units(plan: Plan, flat: list, read: PartsRead) -> list:
+  """``flat`` with the dense records read written into this process's shards (the other
+  leaves untouched)."""
+  regions: dict[int, list] = {}
+  for unit, record in read.records:
+    if record.mode != Mode.DENSE:
+      continue
+    seg = plan.segments[unit.segment]
+    if seg.blocks == 1:
+      for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
+        leaf = plan.leaves[leaf_id]
+        whole = tuple((0, n) for n in leaf.shape)
+        regions.setdefault(leaf_id, []).append(
+            (whole, record.values[offset:offset + leaf.size].reshape(leaf.shape)))
+      continue
+    leaf_id = seg.leaf_ids[0]
+    leaf = plan.leaves[leaf_id]
+    block_shape = leaf.layout.block_shape(leaf.shape)
+    size = seg.size // seg.blocks
+    for j, b in enumerate(unit.blocks):
+      regions.setdefault(leaf_id, []).append(
+          (block_box(leaf.layout, leaf.shape, b),
+           record.values[j * size:(j + 1) * size].reshape(block_shape)))
+  out = list(flat)
+  for leaf_id, leaf_regions in regions.items():
+    out[leaf_id] = _rewritten(plan.leaves[leaf_id], flat[leaf_id], leaf_regions)
+  return out
+
+
+def _rewritten(leaf, x: jax.Array, regions: list) -> jax.Array:
+  shards = []
+  for shard in x.addressable_shards:
+    host = bits_lib.np_to_bits(np.asarray(shard.data)).copy()
+    box = tuple(s.indices(n)[:2] for s, n in zip(shard.index, leaf.shape))
+    for region, values in regions:
+      write_regions(host, box, region, values)
+    shards.append(jax.device_put(bits_lib.np_from_bits(host, leaf.rollout_dtype), shard.device))
+  return jax.make_array_from_single_device_arrays(leaf.shape, x.sharding, shards)
+
+
+def agree(error: JsparseError | None, flat: Sequence[jax.Array]) -> None:
+  """Raises ``error`` on this process, or a :class:`PayloadError` if another process of a
+  rollout whose arrays span several processes failed: all of them apply a version, or none."""
+  if all(x.is_fully_addressable for x in flat):
+    if error is not None:
+      raise error
+    return
+  failed = np.asarray(multihost_utils.process_allgather(
+      np.array([error is not None], np.int32))).reshape(-1)
+  if error is not None:
+    raise error
+  if failed.any():
+    raise PayloadError(f"rollout process(es) {np.flatnonzero(failed).tolist()} refused this "
+                       "version's parts: nothing was applied")

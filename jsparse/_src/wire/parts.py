@@ -1,0 +1,216 @@
+"""The bytes of a payload *part*: what one trainer process of a multi-controller job sends.
+
+The parts of one version together carry the whole update; each is self-describing, so a
+rollout process reads every part's index (a few bytes per unit) and then only the unit bodies
+that overlap its own blocks. Layout, little-endian::
+
+  header  magic "JSPP" | format u8 | kind u8 | flags u16 (bit 0: ordered segments by rank)
+          | plan fingerprint 16B | base version u64 | version u64 | base digest 8B
+          | new digest 8B | part u32 | parts u32 | units u32 | table bytes u32
+  table   per unit: segment u32 | mode u8 | count u32 | body bytes u32 | body crc32 u32
+          | blocks u32 | block ids u32 each
+  crc     crc32 of header and table, u32
+  bodies  per unit in table order: its record as a one-segment body of the format
+          (``compact.py`` or ``lists.py``) in the unit's own index space (``units.py``)
+
+>>> import numpy as np, jax.numpy as jnp, jsparse
+>>> from jsparse._src.wire.payload import Mode, SegmentPayload, Format, Kind
+>>> plan = jsparse.make_plan({'w': jnp.zeros(8)})
+>>> record = SegmentPayload(Mode.BY_POSITION, np.array([3], np.int32), np.array([1], np.uint32))
+>>> head = PartHeader(Format.COMPACT, Kind.DELTA, False, 0, 1, bytes(8), bytes(8), 0, 1)
+>>> data = encode_part(plan, head, [Unit(0)], [record])
+>>> index = read_index(plan, data)
+>>> read_unit(plan, index, data, 0).indices.tolist(), index.entries[0].count
+([3], 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from jsparse._src.core.plan import Plan
+from jsparse._src.errors import PayloadError
+from jsparse._src.core.units import Unit, unit_slots
+from jsparse._src.wire import compact, lists
+from jsparse._src.wire.payload import (FORMAT_MODES, MAX_VERSION, Format, Kind, Mode,
+                                       Payload, SegmentPayload, check_records)
+from jsparse._src.wire.reader import Reader
+
+MAGIC = b"JSPP"
+HEADER = struct.Struct("<4sBBH16sQQ8s8sIIII")
+ENTRY = struct.Struct("<IBIIII")
+_CRC = struct.Struct("<I")
+_BODIES = {Format.LISTS: lists, Format.COMPACT: compact}
+_RANKED = 1
+MAX_PARTS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PartHeader:
+  """What every part of one version states alike, plus which part it is."""
+
+  format: Format
+  kind: Kind
+  ranked: bool  # the ordered segments' changes are named by rank
+  base_version: int
+  version: int
+  base_digest: bytes
+  new_digest: bytes
+  part: int
+  parts: int
+
+  def same_version(self) -> tuple:
+    """The fields every part of one version must share."""
+    return (self.format, self.kind, self.ranked, self.base_version, self.version,
+            self.base_digest, self.new_digest, self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitEntry:
+  """A unit's line in a part's table: where its body lies and what it holds."""
+
+  unit: Unit
+  mode: Mode
+  count: int  # sparse changes (DENSE: the unit's size)
+  start: int  # of the body, in the part's bytes
+  length: int
+  crc: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PartIndex:
+  """A part's header and table, read and checked."""
+
+  header: PartHeader
+  entries: tuple[UnitEntry, ...]
+  size: int  # bytes of the whole part
+
+
+def encode_part(plan: Plan, header: PartHeader, units: Sequence[Unit],
+                records: Sequence[SegmentPayload]) -> bytes:
+  """The bytes of one part: ``records[i]`` is unit ``units[i]``'s record in its index space."""
+  body_codec = _BODIES[header.format]
+  bodies, table = [], []
+  for unit, record in zip(units, records):
+    body = b"" if record.mode != Mode.DENSE and not record.count else \
+        body_codec.encode_body(unit_slots(plan, unit), [record])
+    mode = record.mode if record.mode == Mode.DENSE or record.count else Mode.EMPTY
+    count = len(record.values) if mode == Mode.DENSE else record.count
+    table.append(ENTRY.pack(unit.segment, mode, count, len(body), zlib.crc32(body),
+                            len(unit.blocks)) + struct.pack(f"<{len(unit.blocks)}I", *unit.blocks))
+    bodies.append(body)
+  table_bytes = b"".join(table)
+  head = HEADER.pack(MAGIC, header.format, header.kind, _RANKED if header.ranked else 0,
+                     plan.fingerprint, header.base_version, header.version, header.base_digest,
+                     header.new_digest, header.part, header.parts, len(units), len(table_bytes))
+  return head + table_bytes + _CRC.pack(zlib.crc32(head + table_bytes)) + b"".join(bodies)
+
+
+def _slice(data, start: int, stop: int, what: str) -> bytes:
+  if stop > len(data):
+    raise PayloadError(f"part truncated while reading {what}")
+  return bytes(data[start:stop])
+
+
+def read_index(plan: Plan, data) -> PartIndex:
+  """Reads and checks a part's header and table from ``data`` (bytes, or anything with
+  ``len`` and slicing, e.g. an ``mmap``: only the header and table are read).
+
+  Raises:
+    PayloadError: bad magic, plan, checksum, versions or table (units out of the plan).
+  """
+  head = _slice(data, 0, HEADER.size, "the header")
+  (magic, fmt, kind, flags, fingerprint, base_version, version, base_digest, new_digest, part,
+   parts, num_units, table_len) = HEADER.unpack(head)
+  if magic != MAGIC:
+    raise PayloadError("not a jsparse payload part (bad magic)")
+  table_end = HEADER.size + table_len
+  table = _slice(data, HEADER.size, table_end, "the unit table")
+  (crc,) = _CRC.unpack(_slice(data, table_end, table_end + _CRC.size, "the table checksum"))
+  if zlib.crc32(head + table) != crc:
+    raise PayloadError("part header checksum mismatch: corrupted or truncated")
+  if fingerprint != plan.fingerprint:
+    raise PayloadError("part was made for another plan (fingerprint differs)")
+  if fmt not in tuple(Format) or kind not in tuple(Kind) or flags & ~_RANKED:
+    raise PayloadError(f"part format {fmt}, kind {kind} or flags {flags} not supported")
+  if not 0 <= part < parts <= MAX_PARTS:
+    raise PayloadError(f"part {part} of {parts}: not a valid part number")
+  if not 0 <= base_version < version < MAX_VERSION:
+    raise PayloadError(f"part turns version {base_version} into {version}: versions must "
+                       "increase and stay below 2**63")
+  header = PartHeader(Format(fmt), Kind(kind), bool(flags & _RANKED), base_version, version,
+                      base_digest, new_digest, part, parts)
+  reader, entries = Reader(table), []
+  start = table_end + _CRC.size
+  for _ in range(num_units):
+    segment, mode, count, length, body_crc, num_blocks = ENTRY.unpack(
+        reader.take(ENTRY.size, "a unit entry"))
+    blocks = tuple(int(b) for b in reader.array(np.uint32, num_blocks, "a unit's blocks"))
+    unit = _check_unit(plan, header, Unit(segment, blocks), mode, count, length)
+    entries.append(UnitEntry(unit, Mode(mode), count, start, length, body_crc))
+    start += length
+  if reader.remaining:
+    raise PayloadError(f"{reader.remaining} unexpected bytes in the unit table")
+  if start != len(data):
+    raise PayloadError(f"part is {len(data)} bytes, its table accounts for {start}")
+  return PartIndex(header, tuple(entries), len(data))
+
+
+def _check_unit(plan: Plan, header: PartHeader, unit: Unit, mode: int, count: int,
+                length: int) -> Unit:
+  if unit.segment >= len(plan.segments):
+    raise PayloadError(f"unit of segment {unit.segment}: the plan has {len(plan.segments)}")
+  seg = plan.segments[unit.segment]
+  blocks = np.asarray(unit.blocks)
+  if (not len(blocks) or np.any(np.diff(blocks) <= 0) or blocks[-1] >= seg.blocks
+      or (seg.blocks == 1 and unit.blocks != (0,))):
+    raise PayloadError(f"{plan.describe_segment(unit.segment)}: blocks {unit.blocks[:8]} are "
+                       f"not sorted distinct blocks of {seg.blocks}")
+  slots = unit_slots(plan, unit)
+  slot = slots.segments[0]
+  if mode not in FORMAT_MODES[header.format]:
+    raise PayloadError(f"{slots.name}: mode {mode} is not one of format {header.format}")
+  expected = {Mode.DENSE: count == slot.size, Mode.EMPTY: count == 0 and length == 0}.get(
+      Mode(mode), 0 < count <= slot.capacity)
+  if not expected:
+    raise PayloadError(f"{slots.name}: a {Mode(mode).name} unit of {count} elements (size "
+                       f"{slot.size}, capacity {slot.capacity})")
+  if header.kind == Kind.ANCHOR and mode != Mode.DENSE:
+    raise PayloadError(f"{slots.name}: an anchor part must carry every unit densely")
+  if seg.ordered and (mode == Mode.BY_RANK) != header.ranked and mode in (Mode.BY_RANK,
+                                                                          Mode.BY_POSITION):
+    raise PayloadError(f"{slots.name}: mode {Mode(mode).name} in a part whose ordered "
+                       f"segments are named by {'rank' if header.ranked else 'position'}")
+  return unit
+
+
+def read_unit(plan: Plan, index: PartIndex, data, i: int) -> SegmentPayload:
+  """Reads, checks and decodes unit ``i`` of a part whose index is ``index``: only its bytes.
+
+  Raises:
+    PayloadError: a body that fails its checksum or does not decode to the table's record.
+  """
+  entry = index.entries[i]
+  slots = unit_slots(plan, entry.unit)
+  slot = slots.segments[0]
+  if entry.mode == Mode.EMPTY:
+    return SegmentPayload(Mode.EMPTY, np.zeros(0, np.int32), np.zeros(0, slot.bit_dtype))
+  body = _slice(data, entry.start, entry.start + entry.length, f"{slots.name}'s body")
+  if zlib.crc32(body) != entry.crc:
+    raise PayloadError(f"{slots.name}: body checksum mismatch, corrupted")
+  reader = Reader(body)
+  (record,) = _BODIES[index.header.format].decode_body(slots, reader)
+  if reader.remaining:
+    raise PayloadError(f"{slots.name}: {reader.remaining} unexpected bytes after its record")
+  if record.mode != entry.mode or (record.count if record.mode != Mode.DENSE
+                                   else len(record.values)) != entry.count:
+    raise PayloadError(f"{slots.name}: body holds a {record.mode.name} record of other size "
+                       "than its table entry")
+  check_records(slots, Payload(index.header.kind, index.header.base_version,
+                               index.header.version, b"", b"", (record,), index.header.format))
+  return record

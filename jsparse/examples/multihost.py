@@ -1,0 +1,391 @@
+"""Multi-controller sync: a trainer job and rollout jobs of several processes each, on one machine.
+
+Every process of a ``jax.distributed`` job runs the same program on its own devices. The trainer
+job trains a Flax TinyLM (fp32 masters sharded FSDP over all its devices, AdamW at an RL learning
+rate); after each step every trainer process writes *its own part* of the update, computed from
+the shards it holds, to ``<dir>/v<version>/part-<process>.bin``. A rollout job (any number of
+processes, its own mesh) reads the parts through ``mmap``, so each rollout process reads only the
+bytes of the units that overlap its own blocks, and applies them bit-exactly. Version 1 is a
+dense anchor, so rollouts start from nothing; every other version is a sparse delta.
+
+  python -m jsparse.examples.multihost --dir /tmp/jsparse_multihost   # everything, locally
+
+This launches a trainer of 2 processes x 4 CPU devices, then a rollout of 1 process (a 2x4
+mesh) and one of 2 processes (tensor 4 x data 2), and prints what each process sent and read.
+``launch`` below is what the tests use; ``trainer`` and ``rollout`` are the per-process programs
+(run them under your cluster's launcher with the coordinator's address instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+STEP_DIR = "v{version}"
+PART_FILE = "part-{process}.bin"
+
+
+def _init(args: argparse.Namespace) -> None:
+  """Joins the job: gloo collectives on CPU, the coordinator on 127.0.0.1."""
+  import jax
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=args.coordinator,
+                             num_processes=args.num_processes, process_id=args.process_id,
+                             initialization_timeout=120)
+
+
+def _config(args: argparse.Namespace):
+  from jsparse.examples import rl_model
+  return rl_model.Config(vocab=args.vocab, dim=args.dim, depth=2, batch=8, seq=32,
+                         pretrain_steps=5)
+
+
+def trainer_specs(params):
+  """FSDP: every matrix split by rows over the ``fsdp`` axis; vectors replicated."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  return jax.tree.map(lambda x: P("fsdp", None) if x.ndim == 2 else P(), params)
+
+
+def rollout_specs(params):
+  """Megatron-style tensor parallelism: embedding rows and the MLP's down projection split by
+  rows, its up projection and the head by columns, over ``tensor``; vectors replicated."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  def spec(path, x):
+    name = jax.tree_util.keystr(path)
+    if x.ndim != 2:
+      return P()
+    return P(None, "tensor") if ("up" in name or "head" in name) else P("tensor", None)
+  return jax.tree.map_with_path(spec, params)
+
+
+def abstract_trainer_params(args: argparse.Namespace):
+  """The trainer's params as shapes on an abstract copy of its mesh: what a rollout builds the
+  plan from (no arrays, no trainer devices)."""
+  import jax
+  from flax import nnx
+  from jax.sharding import AbstractMesh, AxisType, NamedSharding
+  from jsparse.examples import rl_model
+  cfg = _config(args)
+  shapes = nnx.state(nnx.eval_shape(lambda: rl_model.TinyLM(cfg.vocab, cfg.dim, cfg.depth,
+                                                            rngs=nnx.Rngs(0))), nnx.Param)
+  mesh = AbstractMesh((args.trainer_devices,), ("fsdp",), axis_types=(AxisType.Auto,))
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                        sharding=NamedSharding(mesh, s)),
+                      shapes, trainer_specs(shapes))
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_bytes(data)
+  os.replace(tmp, path)
+
+
+def _peak_rss_mb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _held_bytes(tree) -> int:
+  """Bytes of the distinct shards this process holds (replicas on several of its devices
+  counted once)."""
+  import jax
+  total = 0
+  for x in jax.tree.leaves(tree):
+    seen = set()
+    for shard in x.addressable_shards:
+      key = tuple((s.start, s.stop) for s in shard.index)
+      if key not in seen:
+        seen.add(key)
+        total += shard.data.nbytes
+    del seen
+  return total
+
+
+def trainer(args: argparse.Namespace) -> dict:
+  """One trainer process: trains, and writes its part of every version."""
+  _init(args)
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax import nnx
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding
+  import jsparse
+  from jsparse.examples import rl_model
+
+  cfg = _config(args)
+  mesh = jax.make_mesh((jax.device_count(),), ("fsdp",),
+                       axis_types=(jax.sharding.AxisType.Auto,))  # XLA places the train step
+  model = rl_model.pretrained_model(cfg)  # the same in every process (seeded, deterministic)
+  graphdef, local_params = nnx.split(model, nnx.Param)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), trainer_specs(local_params))
+  params = jax.tree.map(  # each process places only the blocks its devices hold
+      lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: np.asarray(x[i])),
+      local_params, shardings)
+  tx = optax.adamw(cfg.rl_lr)
+  opt_state = jax.jit(tx.init)(params)
+
+  @jax.jit
+  def train_step(params, opt_state, tokens):
+    grads = jax.grad(lambda p: rl_model.loss(nnx.merge(graphdef, p), tokens))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  # --- jsparse: the same three calls in every trainer process ---
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  sender = jsparse.Sender(plan, params)
+  out = Path(args.dir)
+  batches = rl_model.markov_batches(cfg, seed=1)  # the same batches in every process
+  report = {"process": jax.process_index(), "versions": []}
+  for version in range(1, args.steps + 2):
+    if version > 1:
+      params, opt_state = train_step(params, opt_state, np.asarray(next(batches)))
+    part = sender.send_part(params, full=version == 1)  # version 1: a dense anchor
+    _write_atomically(out / STEP_DIR.format(version=version)
+                      / PART_FILE.format(process=jax.process_index()), part)
+    # --- end of the jsparse calls; the rest is reporting and test fixtures ---
+    stats = sender.last_stats
+    report["versions"].append({"version": version, "part_bytes": len(part),
+                               "changed": stats.changed, "elements": stats.elements,
+                               "dense_bytes": stats.dense_bytes})
+    expected = multihost_utils.process_allgather(plan.cast(params), tiled=True)  # test only
+    if jax.process_index() == 0:
+      np.savez(out / STEP_DIR.format(version=version) / "expected.npz",
+               **_bits_by_path(expected))
+  if args.save_state:
+    _save_state(out / "sender_state", sender.state())
+  if args.restore_sender:
+    restored = _restore_sender(plan, out / args.restore_sender, shardings)
+    report["restored_sender"] = {"version": restored.version,
+                                 "digest": restored.digest.hex()}
+  report.update(peak_rss_mb=_peak_rss_mb(), held_bytes=_held_bytes(sender.snapshot),
+                digest=sender.digest.hex(), fingerprint=plan.fingerprint.hex())
+  return report
+
+
+def _bits_by_path(tree) -> dict:
+  import jax
+  import numpy as np
+  from jsparse._src.core.bits import np_to_bits
+  return {jax.tree_util.keystr(p): np_to_bits(np.asarray(x))
+          for p, x in jax.tree.flatten_with_path(tree)[0]}
+
+
+def _save_state(path: Path, state) -> None:
+  import orbax.checkpoint as ocp
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(path.absolute(), state)
+  checkpointer.wait_until_finished()
+
+
+def _restore_state(plan, path: Path, shardings):
+  import orbax.checkpoint as ocp
+  import jsparse
+  return ocp.StandardCheckpointer().restore(path.absolute(),
+                                            jsparse.abstract_sync_state(plan, shardings))
+
+
+def _restore_sender(plan, path: Path, shardings):
+  import jsparse
+  return jsparse.Sender.restore(plan, _restore_state(plan, path, shardings))
+
+
+def _rollout_mesh(args: argparse.Namespace):
+  import jax
+  tensor = args.tensor
+  return jax.make_mesh((tensor, jax.device_count() // tensor), ("tensor", "data"))
+
+
+def _parts(out: Path, version: int) -> list:
+  """Every part of ``version``, memory-mapped: only the bytes that are sliced get read."""
+  files = sorted((out / STEP_DIR.format(version=version)).glob("part-*.bin"))
+  maps = []
+  for f in files:
+    with open(f, "rb") as handle:
+      maps.append(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+  return maps
+
+
+def rollout(args: argparse.Namespace) -> dict:
+  """One rollout process: applies every version's parts to its shards, and checks them."""
+  _init(args)
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  import jsparse
+
+  out = Path(args.dir)
+  plan = jsparse.make_plan(abstract_trainer_params(args), rollout_dtype=jnp.bfloat16)
+  mesh = _rollout_mesh(args)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
+                           rollout_specs(plan.rollout_shapes()))
+  if args.restore_from:
+    receiver = jsparse.Receiver.restore(plan, _restore_state(plan, out / args.restore_from,
+                                                             shardings))
+  else:
+    zeros = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                         plan.rollout_shapes()), out_shardings=shardings)()
+    receiver = jsparse.Receiver(plan, zeros)
+  report = {"process": jax.process_index(), "versions": [], "refused": []}
+  for version in range(receiver.version + 1, args.steps + 2):
+    parts = _parts(out, version)
+    if args.faults and version == 3:
+      report["refused"] = _refusals(plan, receiver, parts, out)
+    params = receiver.receive_parts(parts)  # --- jsparse: one call per version ---
+    _check_bits(params, out / STEP_DIR.format(version=version) / "expected.npz")
+    report["versions"].append({"version": version, **vars(receiver.last_read)})
+    if version == args.save_at:
+      _save_state(out / f"rollout_state_{args.name}", receiver.state())
+  report.update(peak_rss_mb=_peak_rss_mb(), held_bytes=_held_bytes(receiver.params),
+                digest=receiver.digest.hex(), version=receiver.version)
+  return report
+
+
+def _check_bits(params, expected_file: Path) -> None:
+  """Every shard this process holds equals the trainer's bits (test fixture)."""
+  import jax
+  import numpy as np
+  from jsparse._src.core.bits import np_to_bits
+  expected = np.load(expected_file)
+  for path, x in jax.tree.flatten_with_path(params)[0]:
+    want = expected[jax.tree_util.keystr(path)]
+    for shard in x.addressable_shards:
+      if not np.array_equal(np_to_bits(np.asarray(shard.data)), want[shard.index]):
+        raise AssertionError(f"{jax.tree_util.keystr(path)} differs at {shard.index}")
+
+
+def _refusals(plan, receiver, parts: list, out: Path) -> list:
+  """A missing part, and a part with one corrupt unit (one that, in a rollout job of several
+  processes, only the last process reads), are refused by every process; nothing changes."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+  from jsparse._src.core.units import needs_unit, process_boxes
+  from jsparse._src.wire.parts import read_index
+  import jsparse
+
+  outcomes = []
+  before = receiver.digest
+  for name in ("missing", "corrupt"):
+    if name == "missing":
+      given = parts[:-1]
+    else:
+      index = read_index(plan, parts[-1])
+      boxes = process_boxes(jax.tree.leaves(receiver.params))
+      needed = np.array([needs_unit(plan, e.unit, boxes) and e.length > 0
+                         for e in index.entries], np.int32)
+      per_process = np.asarray(multihost_utils.process_allgather(needed)).reshape(
+          jax.process_count(), -1)
+      only_last = np.flatnonzero(per_process[-1] & (per_process[:-1].sum(0) == 0))
+      entry = index.entries[int(only_last[0]) if len(only_last) else
+                            int(np.flatnonzero(per_process[-1])[0])]
+      corrupt = bytearray(parts[-1])
+      corrupt[entry.start + entry.length // 2] ^= 0x40
+      given = parts[:-1] + [bytes(corrupt)]
+      name += " (read by the last process only)" if len(only_last) else ""
+    try:
+      receiver.receive_parts(given)
+      outcomes.append({"case": name, "refused": False})
+    except jsparse.PayloadError as e:
+      outcomes.append({"case": name, "refused": True, "error": str(e)[:160],
+                       "unchanged": receiver.digest == before})
+  return outcomes
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(role: str, processes: int, devices: int, out_dir: str, extra: Sequence[str] = (),
+           timeout: float = 300) -> list[dict]:
+  """Runs ``role`` as a local ``jax.distributed`` job of ``processes`` processes with
+  ``devices`` CPU devices each; returns each process's report. Every process is killed if the
+  job fails or runs past ``timeout`` seconds."""
+  port = _free_port()
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  logs = Path(out_dir) / "logs"
+  logs.mkdir(parents=True, exist_ok=True)
+  procs = []
+  for i in range(processes):
+    report = logs / f"{role}-{'-'.join(extra)[:40]}-{i}.json".replace("/", "_")
+    cmd = [sys.executable, "-m", "jsparse.examples.multihost", role, "--dir", out_dir,
+           "--process-id", str(i), "--num-processes", str(processes),
+           "--coordinator", f"127.0.0.1:{port}", "--report", str(report), *extra]
+    log = open(logs / f"{report.stem}.log", "w")
+    procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), report,
+                  log))
+  deadline = time.monotonic() + timeout
+  try:
+    for proc, _, _ in procs:
+      proc.wait(timeout=max(1, deadline - time.monotonic()))
+  except subprocess.TimeoutExpired:
+    pass
+  finally:
+    for proc, _, log in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+      log.close()
+  failed = [(i, p.returncode) for i, (p, _, _) in enumerate(procs) if p.returncode != 0]
+  if failed:
+    tails = "\n".join(Path(log.name).read_text()[-3000:] for _, _, log in procs)
+    raise RuntimeError(f"{role} job failed (process, exit code) {failed}:\n{tails}")
+  return [json.loads(report.read_text()) for _, report, _ in procs]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("role", nargs="?", choices=["all", "trainer", "rollout"], default="all")
+  parser.add_argument("--dir", default="jsparse_out/multihost")
+  parser.add_argument("--process-id", type=int, default=0)
+  parser.add_argument("--num-processes", type=int, default=1)
+  parser.add_argument("--coordinator", default="127.0.0.1:0")
+  parser.add_argument("--report", default=None, help="where a process writes its report")
+  parser.add_argument("--steps", type=int, default=5, help="training steps (versions 2..)")
+  parser.add_argument("--vocab", type=int, default=512)
+  parser.add_argument("--dim", type=int, default=128)
+  parser.add_argument("--trainer-devices", type=int, default=8)
+  parser.add_argument("--tensor", type=int, default=4, help="rollout tensor-parallel size")
+  parser.add_argument("--name", default="rollout")
+  parser.add_argument("--faults", action="store_true", help="refuse bad parts at version 3")
+  parser.add_argument("--save-state", action="store_true")
+  parser.add_argument("--save-at", type=int, default=0)
+  parser.add_argument("--restore-from", default=None)
+  parser.add_argument("--restore-sender", default=None)
+  return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  args = parse_args(argv)
+  if args.role == "all":
+    trainer_reports = launch("trainer", 2, 4, args.dir, ["--save-state"])
+    one = launch("rollout", 1, 8, args.dir, ["--name", "one", "--tensor", "4"])
+    two = launch("rollout", 2, 4, args.dir, ["--name", "two", "--tensor", "4"])
+    for name, reports in (("trainer", trainer_reports), ("rollout 1x8", one),
+                          ("rollout 2x4", two)):
+      for r in reports:
+        print(name, "process", r["process"], json.dumps(r["versions"][-1]))
+    return
+  report = trainer(args) if args.role == "trainer" else rollout(args)
+  if args.report:
+    Path(args.report).write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+  main()
