@@ -150,6 +150,10 @@ def trainer(args: argparse.Namespace) -> dict:
   out = Path(args.dir)
   batches = rl_model.markov_batches(cfg, seed=1)  # the same batches in every process
   report = {"process": jax.process_index(), "versions": []}
+  try:  # a whole payload would need every process's shards: refused, nothing changes
+    sender.send(params)
+  except jsparse.ConfigError as e:
+    report["whole_send_refused"] = str(e) if sender.version == 0 else "state changed"
   for version in range(1, args.steps + 2):
     if version > 1:
       params, opt_state = train_step(params, opt_state, np.asarray(next(batches)))

@@ -8,7 +8,7 @@ that overlap its own blocks. Layout, little-endian::
           | plan fingerprint 16B | base version u64 | version u64 | base digest 8B
           | new digest 8B | part u32 | parts u32 | units u32 | table bytes u32
   table   per unit: segment u32 | mode u8 | count u32 | body bytes u32 | body crc32 u32
-          | blocks u32 | block ids u32 each
+          | runs u16 | per run of consecutive blocks: first block u32, blocks u32
   crc     crc32 of header and table, u32
   bodies  per unit in table order: its record as a one-segment body of the format
           (``compact.py`` or ``lists.py``) in the unit's own index space (``units.py``)
@@ -43,11 +43,13 @@ from jsparse._src.wire.reader import Reader
 
 MAGIC = b"JSPP"
 HEADER = struct.Struct("<4sBBH16sQQ8s8sIIII")
-ENTRY = struct.Struct("<IBIIII")
+ENTRY = struct.Struct("<IBIIIH")
+RUN = struct.Struct("<II")
 _CRC = struct.Struct("<I")
 _BODIES = {Format.LISTS: lists, Format.COMPACT: compact}
 _RANKED = 1
 MAX_PARTS = 1 << 16
+MAX_BLOCKS = 1 << 20  # blocks of one leaf (devices of a mesh): bounds what a table can ask for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +103,26 @@ def encode_part(plan: Plan, header: PartHeader, units: Sequence[Unit],
         body_codec.encode_body(unit_slots(plan, unit), [record])
     mode = record.mode if record.mode == Mode.DENSE or record.count else Mode.EMPTY
     count = len(record.values) if mode == Mode.DENSE else record.count
-    table.append(ENTRY.pack(unit.segment, mode, count, len(body), zlib.crc32(body),
-                            len(unit.blocks)) + struct.pack(f"<{len(unit.blocks)}I", *unit.blocks))
+    runs = _runs(unit.blocks)
+    table.append(ENTRY.pack(unit.segment, mode, count, len(body), zlib.crc32(body), len(runs))
+                 + b"".join(RUN.pack(*run) for run in runs))
     bodies.append(body)
   table_bytes = b"".join(table)
   head = HEADER.pack(MAGIC, header.format, header.kind, _RANKED if header.ranked else 0,
                      plan.fingerprint, header.base_version, header.version, header.base_digest,
                      header.new_digest, header.part, header.parts, len(units), len(table_bytes))
   return head + table_bytes + _CRC.pack(zlib.crc32(head + table_bytes)) + b"".join(bodies)
+
+
+def _runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
+  """Sorted ``blocks`` as runs of consecutive ids: (first, length)."""
+  runs: list[list[int]] = []
+  for b in blocks:
+    if runs and runs[-1][0] + runs[-1][1] == b:
+      runs[-1][1] += 1
+    else:
+      runs.append([b, 1])
+  return [tuple(r) for r in runs]
 
 
 def _slice(data, start: int, stop: int, what: str) -> bytes:
@@ -148,9 +162,13 @@ def read_index(plan: Plan, data) -> PartIndex:
   reader, entries = Reader(table), []
   start = table_end + _CRC.size
   for _ in range(num_units):
-    segment, mode, count, length, body_crc, num_blocks = ENTRY.unpack(
+    segment, mode, count, length, body_crc, num_runs = ENTRY.unpack(
         reader.take(ENTRY.size, "a unit entry"))
-    blocks = tuple(int(b) for b in reader.array(np.uint32, num_blocks, "a unit's blocks"))
+    runs = reader.array(np.uint32, 2 * num_runs, "a unit's blocks").reshape(-1, 2)
+    if np.any(runs[:, 1] == 0) or runs[:, 1].sum(dtype=np.int64) > MAX_BLOCKS:
+      raise PayloadError(f"unit of segment {segment}: block runs {runs.tolist()[:4]} are empty "
+                         "or too long")
+    blocks = tuple(int(b) for first, n in runs.astype(np.int64) for b in range(first, first + n))
     unit = _check_unit(plan, header, Unit(segment, blocks), mode, count, length)
     entries.append(UnitEntry(unit, Mode(mode), count, start, length, body_crc))
     start += length

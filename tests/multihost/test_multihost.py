@@ -1,0 +1,106 @@
+"""Multi-controller jobs (``jax.distributed``, gloo collectives on 127.0.0.1): a trainer of 2
+processes x 4 devices (and one of 4 x 2) sends parts; rollouts of 1 process (2x4 mesh) and of 2
+processes (tensor 4 x data 2) apply them bit-exactly, refuse missing and corrupt parts, and
+restart from Orbax state saved by another process count. The jobs run once for the module
+(``jsparse.examples.multihost``, each with a timeout); the tests read their reports. Each
+rollout process checks every shard it holds against the trainer's bits, and fails its job
+otherwise."""
+
+import pytest
+
+from jsparse.examples import multihost
+
+TIMEOUT = 300  # seconds per job
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+  fsdp = tmp_path_factory.mktemp("trainer_2x4")
+  reports = {"trainer": multihost.launch("trainer", 2, 4, str(fsdp), ["--save-state"],
+                                         timeout=TIMEOUT)}
+  reports["one"] = multihost.launch("rollout", 1, 8, str(fsdp), ["--name", "one", "--faults"],
+                                    timeout=TIMEOUT)
+  reports["two"] = multihost.launch("rollout", 2, 4, str(fsdp),
+                                    ["--name", "two", "--faults", "--save-at", "3"],
+                                    timeout=TIMEOUT)
+  reports["restored"] = multihost.launch(
+      "rollout", 1, 8, str(fsdp), ["--name", "restored", "--tensor", "2",
+                                   "--restore-from", "rollout_state_two"], timeout=TIMEOUT)
+  four = tmp_path_factory.mktemp("trainer_4x2")
+  reports["trainer4"] = multihost.launch(
+      "trainer", 4, 2, str(four), ["--restore-sender", str(fsdp / "sender_state")],
+      timeout=TIMEOUT)
+  reports["after4"] = multihost.launch("rollout", 2, 4, str(four), ["--name", "after4"],
+                                       timeout=TIMEOUT)
+  return reports
+
+
+def _totals(reports, version):
+  return sum(next(v for v in r["versions"] if v["version"] == version)["part_bytes"]
+             for r in reports)
+
+
+def test_every_trainer_process_sends_its_own_part(jobs):
+  trainer = jobs["trainer"]
+  assert [r["process"] for r in trainer] == [0, 1]
+  assert len({r["digest"] for r in trainer}) == 1  # one end-to-end digest, via collectives
+  dense = trainer[0]["versions"][0]["dense_bytes"]
+  anchor = [r["versions"][0]["part_bytes"] for r in trainer]
+  assert all(0.4 * dense < a < 0.6 * dense for a in anchor), (anchor, dense)
+  assert sum(anchor) < 1.01 * dense  # replicated leaves are sent once, not once per process
+  for r in trainer:
+    assert "send_part()" in r["whole_send_refused"]
+
+
+def test_parts_carry_a_realistic_update_compactly(jobs):
+  trainer = jobs["trainer"]
+  for version in range(2, 7):
+    stats = trainer[0]["versions"][version - 1]
+    density = stats["changed"] / stats["elements"]
+    assert 0.002 < density < 0.05, density  # AdamW at lr 1e-6 on fp32 masters
+    per_change = _totals(trainer, version) / stats["changed"]
+    assert per_change < 2.6, (version, per_change)  # small leaves: ~150 B index per unit
+    assert stats["dense_bytes"] / _totals(trainer, version) > 50
+
+
+@pytest.mark.parametrize("rollout", ["one", "two", "restored", "after4"])
+def test_rollouts_end_bit_identical_to_their_trainer(jobs, rollout):
+  trainer = jobs["trainer4" if rollout == "after4" else "trainer"]
+  for r in jobs[rollout]:
+    assert r["version"] == 6
+    assert r["digest"] == trainer[0]["digest"]
+
+
+def test_rollout_processes_read_only_the_units_over_their_blocks(jobs):
+  one, two = jobs["one"], jobs["two"]
+  for v in one[0]["versions"]:
+    assert v["bytes_read"] == v["bytes_total"]  # one process holds everything
+  for r in two:
+    for v in r["versions"]:
+      assert v["units_read"] < v["units"]
+      assert v["bytes_read"] < 0.85 * v["bytes_total"], v
+
+
+@pytest.mark.parametrize("rollout", ["one", "two"])
+def test_missing_and_corrupt_parts_are_refused_by_every_process(jobs, rollout):
+  for r in jobs[rollout]:
+    cases = {c["case"].split(" ")[0]: c for c in r["refused"]}
+    assert set(cases) == {"missing", "corrupt"}
+    assert all(c["refused"] and c["unchanged"] for c in cases.values()), cases
+    assert "missing [1]" in cases["missing"]["error"]
+  if rollout == "two":  # the corrupt unit is read by process 1 only: process 0 refuses too
+    assert "read by the last process only" in jobs["two"][0]["refused"][1]["case"]
+    assert "rollout process(es) [1] refused" in jobs["two"][0]["refused"][1]["error"]
+    assert "checksum" in jobs["two"][1]["refused"][1]["error"]
+
+
+def test_a_rollout_restarts_from_state_saved_by_another_process_count(jobs):
+  restored = jobs["restored"][0]
+  assert [v["version"] for v in restored["versions"]] == [4, 5, 6]
+
+
+def test_a_sender_restores_onto_another_process_count(jobs):
+  saved = jobs["trainer"][0]
+  for r in jobs["trainer4"]:
+    assert r["restored_sender"] == {"version": 6, "digest": saved["digest"]}
+  assert [r["process"] for r in jobs["trainer4"]] == [0, 1, 2, 3]
