@@ -21,6 +21,7 @@ from typing import Any
 
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import CheckpointError
+from jsparse._src.wire.parts import MAX_PARTS
 from jsparse._src.wire.payload import Mode, Payload
 
 FORMAT = 3
@@ -61,6 +62,14 @@ def delta_meta(plan: Plan, payload: Payload, *, base: int, changed: int) -> dict
                       counts=[p.count for p in payload.segments]))
 
 
+def parts_meta(plan: Plan, *, step: int, parent: int, base: int, parent_digest: bytes,
+               digest: bytes, changed: int, lengths: list[int]) -> dict:
+  """The metadata of a step saved by a multi-process job: the parts of the payload from its
+  parent (one per process, ``lengths`` bytes each)."""
+  return _sealed(dict(_common(plan, step, "parts", digest, changed), base=base, parent=parent,
+                      parent_digest=parent_digest.hex(), lengths=lengths))
+
+
 def _is_int(value: Any) -> bool:
   return type(value) is int  # bools and floats are not steps or counts
 
@@ -92,7 +101,7 @@ def check(meta: Any, step: int, plan: Plan) -> dict:
     raise bad("checksum mismatch")
   if meta.get("plan") != plan.fingerprint.hex():
     raise ForeignPlanError(f"step {step} was saved with another plan (fingerprint differs)")
-  if meta.get("step") != step or meta.get("kind") not in ("base", "delta"):
+  if meta.get("step") != step or meta.get("kind") not in ("base", "delta", "parts"):
     raise bad("step or kind")
   if not _is_digest(meta.get("digest")) or not _is_int(meta.get("changed")) \
       or meta["changed"] < 0:
@@ -106,6 +115,12 @@ def check(meta: Any, step: int, plan: Plan) -> dict:
     raise bad(f"parent {parent!r} and base {base!r} must be earlier steps")
   if not _is_digest(meta.get("parent_digest")):
     raise bad("parent digest")
+  if meta["kind"] == "parts":
+    lengths = meta.get("lengths")
+    if not (isinstance(lengths, list) and 0 < len(lengths) <= MAX_PARTS
+            and all(_is_int(n) and 0 < n < 2**40 for n in lengths)):
+      raise bad("lengths of the parts")
+    return meta
   modes, counts = meta.get("modes"), meta.get("counts")
   if not (isinstance(modes, list) and isinstance(counts, list)
           and len(modes) == len(counts) == len(plan.segments)):

@@ -7,7 +7,10 @@ only what changed since the step before it (``delta``: plain arrays of a
 it block by block: position gaps and ulp codes, which Orbax's compression shrinks to ~1.5 bytes
 per change). Both carry a small JSON ``meta`` item: the step the delta
 applies to, the chain's base, the plan fingerprint and the 64-bit digest of the bit patterns
-after the step. Restoring step ``s`` restores its base onto the shardings asked for, then applies
+after the step. In a multi-controller job (params spanning processes) every process calls
+``save`` and ``restore``; a delta step then holds each process's payload part
+(:meth:`~jsparse.Sender.send_part`) as one row of a byte array (kind ``"parts"``), and any
+process count restores it. Restoring step ``s`` restores its base onto the shardings asked for, then applies
 the deltas in order, checking every digest, so a restore is bit-exact or an error that names the
 step at fault.
 
@@ -33,6 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from jsparse._src import chain_meta
 from jsparse._src.core.plan import Plan
@@ -51,7 +55,8 @@ class SaveInfo(NamedTuple):
 
   Attributes:
     step: the saved step.
-    kind: ``"base"`` (the full tree) or ``"delta"`` (the changes since the step before).
+    kind: ``"base"`` (the full tree), ``"delta"`` (the changes since the step before) or
+      ``"parts"`` (the same, saved by a multi-process job: one payload part per process).
     changed: elements that changed since the step before (a base: every element).
     bytes: the step's bytes on disk.
 
@@ -120,6 +125,27 @@ def _delta_target(plan: Plan, meta: dict) -> dict[str, Any]:
           "values": {k: np.zeros(n, np.dtype(k)) for k, n in num_values.items()}}
 
 
+def spans_processes(tree: PyTree) -> bool:
+  """Whether some leaf of ``tree`` spans devices of several processes."""
+  return any(isinstance(x, jax.Array) and not x.is_fully_addressable
+             for x in jax.tree.leaves(tree))
+
+
+def _rows_of_parts(part: bytes) -> tuple[jax.Array, list[int]]:
+  """Every process's ``part`` as row ``process`` of one ``uint8[processes, longest]`` global
+  array (what Orbax saves from every process), and the parts' lengths."""
+  lengths = [int(n) for n in np.asarray(multihost_utils.process_allgather(
+      np.array([len(part)], np.int64))).reshape(-1)]
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(jax.process_count(), -1),
+                           ("process", "local"))
+  row = np.zeros((1, max(lengths)), np.uint8)
+  row[0, :len(part)] = np.frombuffer(part, np.uint8)
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("process", None))
+  return jax.make_array_from_process_local_data(sharding, row, (len(lengths), max(lengths))), \
+      lengths
+
+
 class DeltaCheckpointManager:
   """Saves a tree every step as a base checkpoint or a small delta on the previous step.
 
@@ -180,7 +206,7 @@ class DeltaCheckpointManager:
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
 
   def meta(self, step: int) -> dict:
-    """The JSON metadata of a step: ``kind`` ("base" or "delta"), ``base``, ``parent`` ...
+    """The JSON metadata of a step: ``kind`` ("base", "delta" or "parts"), ``base``, ``parent`` ...
 
     Raises:
       CheckpointError: the step is missing or its metadata unreadable.
@@ -204,7 +230,7 @@ class DeltaCheckpointManager:
       CheckpointError: a step of the chain is missing or unreadable (named in the message).
     """
     steps = [step]
-    while self.meta(steps[-1])["kind"] == "delta":  # parents are earlier steps: this ends
+    while self.meta(steps[-1])["kind"] != "base":  # parents are earlier steps: this ends
       meta = self.meta(steps[-1])
       parent = meta["parent"]
       if parent not in self._manager.all_steps():
@@ -240,6 +266,15 @@ class DeltaCheckpointManager:
       items = {"params": ocp.args.StandardSave(storable(self.plan, sender.snapshot))}
       if not self.plan.leaves:
         items = {}  # Orbax refuses an empty item; the meta says it all
+    elif spans_processes(params):
+      parent, parent_digest = sender.version, sender.digest
+      part = sender.send_part(params, version=step)
+      rows, lengths = _rows_of_parts(part)
+      meta = chain_meta.parts_meta(self.plan, step=step, parent=parent,
+                                   base=self.meta(parent)["base"], parent_digest=parent_digest,
+                                   digest=sender.digest, changed=sender.last_stats.changed,
+                                   lengths=lengths)
+      items = {"parts": ocp.args.StandardSave({"bytes": rows})}
     else:
       payload = sender.payload(params, version=step)
       meta = chain_meta.delta_meta(self.plan, payload, changed=sender.last_stats.changed,
@@ -280,9 +315,15 @@ class DeltaCheckpointManager:
     self._check_digest(steps[0], receiver)
     for s in steps[1:]:
       meta = self.meta(s)
-      target = ocp.args.StandardRestore(_delta_target(self.plan, meta))
-      arrays = self._restore_item(s, "delta", target)
       try:
+        if meta["kind"] == "parts":
+          rows = np.zeros((len(meta["lengths"]), max(meta["lengths"])), np.uint8)
+          rows = self._restore_item(s, "parts", ocp.args.StandardRestore({"bytes": rows}))
+          receiver.receive_parts([np.asarray(row[:n]).tobytes()
+                                  for row, n in zip(rows["bytes"], meta["lengths"])])
+          continue
+        target = ocp.args.StandardRestore(_delta_target(self.plan, meta))
+        arrays = self._restore_item(s, "delta", target)
         receiver.apply_payload(check_records(self.plan,
                                              _payload_from_arrays(self.plan, meta, arrays)))
       except JsparseError as e:

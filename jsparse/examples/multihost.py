@@ -149,6 +149,7 @@ def trainer(args: argparse.Namespace) -> dict:
   sender = jsparse.Sender(plan, params)
   out = Path(args.dir)
   batches = rl_model.markov_batches(cfg, seed=1)  # the same batches in every process
+  chain = jsparse.DeltaCheckpointManager(out / "chain", plan) if args.chain else None
   report = {"process": jax.process_index(), "versions": []}
   try:  # a whole payload would need every process's shards: refused, nothing changes
     sender.send(params)
@@ -162,6 +163,8 @@ def trainer(args: argparse.Namespace) -> dict:
                       / PART_FILE.format(process=jax.process_index()), part)
     # --- end of the jsparse calls; the rest is reporting and test fixtures ---
     stats = sender.last_stats
+    if chain is not None:  # every process saves its part of each step
+      report.setdefault("chain", []).append(chain.save(version, params)._asdict())
     report["versions"].append({"version": version, "part_bytes": len(part),
                                "changed": stats.changed, "elements": stats.elements,
                                "dense_bytes": stats.dense_bytes})
@@ -253,6 +256,13 @@ def rollout(args: argparse.Namespace) -> dict:
     report["versions"].append({"version": version, **vars(receiver.last_read)})
     if version == args.save_at:
       _save_state(out / f"rollout_state_{args.name}", receiver.state())
+  if args.chain:  # the trainer's delta checkpoint chain, restored onto this job's mesh
+    with jsparse.DeltaCheckpointManager(out / "chain", plan) as chain:
+      step = chain.latest_step()
+      _check_bits(chain.restore(step, shardings=shardings),
+                  out / STEP_DIR.format(version=step) / "expected.npz")
+      report["chain_restored"] = {"step": step, "kinds": [chain.meta(s)["kind"]
+                                                          for s in chain.chain(step)]}
   report.update(peak_rss_mb=_peak_rss_mb(), held_bytes=_held_bytes(receiver.params),
                 digest=receiver.digest.hex(), version=receiver.version)
   return report
@@ -369,6 +379,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--name", default="rollout")
   parser.add_argument("--faults", action="store_true", help="refuse bad parts at version 3")
   parser.add_argument("--save-state", action="store_true")
+  parser.add_argument("--chain", action="store_true",
+                      help="trainer: save a delta checkpoint chain; rollout: restore it")
   parser.add_argument("--save-at", type=int, default=0)
   parser.add_argument("--restore-from", default=None)
   parser.add_argument("--restore-sender", default=None)

@@ -16,7 +16,7 @@ TIMEOUT = 300  # seconds per job
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
   fsdp = tmp_path_factory.mktemp("trainer_2x4")
-  reports = {"trainer": multihost.launch("trainer", 2, 4, str(fsdp), ["--save-state"],
+  reports = {"trainer": multihost.launch("trainer", 2, 4, str(fsdp), ["--save-state", "--chain"],
                                          timeout=TIMEOUT)}
   reports["one"] = multihost.launch("rollout", 1, 8, str(fsdp), ["--name", "one", "--faults"],
                                     timeout=TIMEOUT)
@@ -25,7 +25,7 @@ def jobs(tmp_path_factory):
                                     timeout=TIMEOUT)
   reports["restored"] = multihost.launch(
       "rollout", 1, 8, str(fsdp), ["--name", "restored", "--tensor", "2",
-                                   "--restore-from", "rollout_state_two"], timeout=TIMEOUT)
+                                   "--restore-from", "rollout_state_two", "--chain"], timeout=TIMEOUT)
   four = tmp_path_factory.mktemp("trainer_4x2")
   reports["trainer4"] = multihost.launch(
       "trainer", 4, 2, str(four), ["--restore-sender", str(fsdp / "sender_state")],
@@ -104,3 +104,14 @@ def test_a_sender_restores_onto_another_process_count(jobs):
   for r in jobs["trainer4"]:
     assert r["restored_sender"] == {"version": 6, "digest": saved["digest"]}
   assert [r["process"] for r in jobs["trainer4"]] == [0, 1, 2, 3]
+
+
+def test_a_delta_checkpoint_chain_saved_by_two_processes_restores_in_one(jobs):
+  trainer = jobs["trainer"]
+  for r in trainer:
+    assert [(c["step"], c["kind"]) for c in r["chain"]] == \
+        [(1, "base")] + [(v, "parts") for v in range(2, 7)]
+  delta_bytes = trainer[0]["chain"][1]["bytes"]
+  assert delta_bytes < 0.2 * trainer[0]["chain"][0]["bytes"], trainer[0]["chain"]
+  restored = jobs["restored"][0]["chain_restored"]  # bits checked against the trainer's
+  assert restored == {"step": 6, "kinds": ["base"] + ["parts"] * 5}
