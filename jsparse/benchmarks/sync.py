@@ -186,7 +186,7 @@ def _jsparse(plan, before, after, repeats, coding):
   fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
   device_stage = lambda snap, new: programs.sender_changes(plan, coding, snap, new)[0]
   row["diff"] = _best(device_stage, fresh_snapshot, repeats)
-  delta, old, ranks = jax.device_get(device_stage(*fresh_snapshot()))
+  delta, old, ranks = jax.device_get(device_stage(*fresh_snapshot())[:3])
   dense = lambda s: segment_host_bits(plan, s, jax.tree.leaves(snapshot))
 
   def encode_host():

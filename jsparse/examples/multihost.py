@@ -19,6 +19,7 @@ mesh) and one of 2 processes (tensor 4 x data 2), and prints what each process s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Sequence
 
@@ -97,6 +99,18 @@ def _peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+@contextlib.contextmanager
+def _host_peak():
+  """The peak of Python and numpy host allocations inside the block (tracemalloc)."""
+  tracemalloc.start()
+  out = {}
+  try:
+    yield out
+  finally:
+    out["peak"] = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+
+
 def _held_bytes(tree) -> int:
   """Bytes of the distinct shards this process holds (replicas on several of its devices
   counted once)."""
@@ -158,7 +172,8 @@ def trainer(args: argparse.Namespace) -> dict:
   for version in range(1, args.steps + 2):
     if version > 1:
       params, opt_state = train_step(params, opt_state, np.asarray(next(batches)))
-    part = sender.send_part(params, full=version == 1)  # version 1: a dense anchor
+    with _host_peak() as host:
+      part = sender.send_part(params, full=version == 1)  # version 1: a dense anchor
     _write_atomically(out / STEP_DIR.format(version=version)
                       / PART_FILE.format(process=jax.process_index()), part)
     # --- end of the jsparse calls; the rest is reporting and test fixtures ---
@@ -166,6 +181,7 @@ def trainer(args: argparse.Namespace) -> dict:
     if chain is not None:  # every process saves its part of each step
       report.setdefault("chain", []).append(chain.save(version, params)._asdict())
     report["versions"].append({"version": version, "part_bytes": len(part),
+                               "host_peak_bytes": host["peak"],
                                "changed": stats.changed, "elements": stats.elements,
                                "dense_bytes": stats.dense_bytes})
     expected = multihost_utils.process_allgather(plan.cast(params), tiled=True)  # test only
@@ -251,9 +267,11 @@ def rollout(args: argparse.Namespace) -> dict:
     parts = _parts(out, version)
     if args.faults and version == 3:
       report["refused"] = _refusals(plan, receiver, parts, out)
-    params = receiver.receive_parts(parts)  # --- jsparse: one call per version ---
+    with _host_peak() as host:
+      params = receiver.receive_parts(parts)  # --- jsparse: one call per version ---
     _check_bits(params, out / STEP_DIR.format(version=version) / "expected.npz")
-    report["versions"].append({"version": version, **vars(receiver.last_read)})
+    report["versions"].append({"version": version, "host_peak_bytes": host["peak"],
+                               **vars(receiver.last_read)})
     if version == args.save_at:
       _save_state(out / f"rollout_state_{args.name}", receiver.state())
   if args.chain:  # the trainer's delta checkpoint chain, restored onto this job's mesh
