@@ -100,6 +100,10 @@ def test_incomplete_repeated_corrupt_or_mixed_parts_change_nothing():
       [e.unit for e in index.entries] * 2,
       [parts_wire.read_unit(plan, index, parts[1], i) for i in range(len(index.entries))] * 2), 1)
   _refused(receiver, overlapping, match="cover")
+  other_plan = jsparse.make_plan(place(new, "fsdp8"), rollout_dtype=jnp.bfloat16, capacity=0.2,
+                                bucket_size=256)
+  foreign = jsparse.Sender(other_plan, place(new, "fsdp8")).send_part(place(later, "fsdp8"))
+  _refused(receiver, [foreign], match="another plan")
   out = receiver.receive_parts(parts)  # the good parts still apply
   assert_trees_bitwise_equal(out, plan.cast(new))
 
