@@ -41,6 +41,8 @@ def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: Dev
                  snapshot: Sequence[jax.Array], full: bool) -> list[SegmentPayload]:
   """The records of ``units`` (owned by this process), from a diff's device outputs and the new
   ``snapshot``: dense for an anchor or an overflowed block, else sparse in the unit's space."""
+  if full:
+    return dense_records(plan, units, snapshot)
   delta = changes.delta
   counts, overflow = local_value(delta.counts), local_value(delta.overflow)
   records = []
@@ -48,8 +50,8 @@ def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: Dev
     s = unit.segment
     seg = plan.segments[s]
     if seg.blocks == 1:
-      if full or overflow[s]:
-        records.append(SegmentPayload(Mode.DENSE, None, segment_host_bits(plan, s, snapshot)))
+      if overflow[s]:
+        records.extend(dense_records(plan, [unit], snapshot))
         continue
       n = int(counts[s])
       ranks = None if changes.ranks is None or changes.ranks[s] is None else \
@@ -60,10 +62,8 @@ def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: Dev
       continue
     per_block = seg.capacity // seg.blocks
     block_counts = owned_slots(changes.block_counts[s], 1, unit.blocks)
-    if full or np.any(block_counts > per_block):
-      leaf_id = seg.leaf_ids[0]
-      data = owned_block_data(plan.leaves[leaf_id].layout, snapshot[leaf_id], unit.blocks)
-      records.append(SegmentPayload(Mode.DENSE, None, bits_lib.np_to_bits(data)))
+    if np.any(block_counts > per_block):
+      records.extend(dense_records(plan, [unit], snapshot))
       continue
     positions = owned_slots(delta.indices[s], per_block, unit.blocks)
     used = positions < seg.size  # each block's changes ascend; blocks come in unit order
@@ -71,6 +71,22 @@ def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: Dev
         coding, unit_slot(plan, unit), to_unit_positions(plan, unit, positions[used]).astype(
             np.int32), owned_slots(delta.values[s], per_block, unit.blocks)[used],
         owned_slots(changes.old_values[s], per_block, unit.blocks)[used], None))
+  return records
+
+
+def dense_records(plan: Plan, units: Sequence[Unit], snapshot: Sequence[jax.Array]
+                  ) -> list[SegmentPayload]:
+  """Every unit of ``units`` carried densely from ``snapshot`` (an anchor's records)."""
+  records = []
+  for unit in units:
+    seg = plan.segments[unit.segment]
+    if seg.blocks == 1:
+      values = segment_host_bits(plan, unit.segment, snapshot)
+    else:
+      leaf_id = seg.leaf_ids[0]
+      values = bits_lib.np_to_bits(
+          owned_block_data(plan.leaves[leaf_id].layout, snapshot[leaf_id], unit.blocks))
+    records.append(SegmentPayload(Mode.DENSE, None, values))
   return records
 
 

@@ -33,7 +33,7 @@ from jsparse._src.options import int_option
 from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value, owned_units
 from jsparse._src.sync import programs
-from jsparse._src.sync.parts import part_records
+from jsparse._src.sync.parts import dense_records, part_records
 from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, versioned_digest)
@@ -124,7 +124,7 @@ class Sender:
     self._bits = digest_bytes(digest)  # of the snapshot's bit patterns
     self._needs_anchor = False  # set when a payload failed after the snapshot moved on
     self._relaid: set[str] = set()  # leaves already warned about (laid out otherwise)
-    self._units: tuple | None = None  # what this process sends in a part (on first use)
+    self._owned: tuple | None = None  # the units this process sends in a part
     self.last_stats: SendStats | None = None
 
   def state(self) -> SyncState:
@@ -231,21 +231,51 @@ class Sender:
     >>> float(receiver.receive_parts([part])['w'][5])
     1.0
     """
-    if self._units is None:
-      self._units = owned_units(self.plan, self._snapshot, jax.process_index())
-
     def mine(changes: programs.DeviceChanges, snapshot: list, full: bool) -> list:
       return part_records(self.plan, self.coding, self._units, changes, snapshot, full)
 
     head, records = self._step(params, full, version, mine)
     try:
-      data = encode_part(self.plan, dataclasses.replace(
-          head, part=jax.process_index(), parts=jax.process_count()), self._units, records)
+      data = self._encode_part(head, records)
     except BaseException:
       self._needs_anchor = True
       raise
     self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data))
     return data
+
+  @property
+  def _units(self) -> tuple:
+    """The units this process sends in a part (computed once)."""
+    if self._owned is None:
+      self._owned = owned_units(self.plan, self._snapshot, jax.process_index())
+    return self._owned
+
+  def _encode_part(self, head: PartHeader, records: list) -> bytes:
+    return encode_part(self.plan, dataclasses.replace(
+        head, part=jax.process_index(), parts=jax.process_count()), self._units, records)
+
+  @mesh_neutral
+  def anchor_part(self) -> bytes:
+    """This process's part of an anchor of the *current* version (the snapshot, every unit
+    dense), without moving to a new version: what a publisher offers next to a delta, for
+    rollouts that fell behind or lost their state. Every process calls it, as ``send_part``.
+
+    Raises:
+      VersionError: at version 0 (an anchor must be newer than what a receiver can hold).
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> plan = jsparse.make_plan({'w': jnp.zeros(4)}, rollout_dtype=jnp.bfloat16)
+    >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(4)}, version=5)
+    >>> receiver = jsparse.Receiver(plan, {'w': jnp.ones(4, jnp.bfloat16)}, version=2)
+    >>> _ = receiver.receive_parts([sender.anchor_part()])
+    >>> receiver.version, float(receiver.params['w'][0])
+    (5, 0.0)
+    """
+    if self.version == 0:
+      raise VersionError("an anchor of version 0 would not be newer than any receiver's state")
+    head = PartHeader(self.coding.format, Kind.ANCHOR, False, self.version - 1, self.version,
+                      bytes(8), self.digest, 0, 1)
+    return self._encode_part(head, dense_records(self.plan, self._units, self._snapshot))
 
   @mesh_neutral
   def _step(self, params: PyTree, full: bool, version: int | None, host_stage) -> tuple:

@@ -1,0 +1,32 @@
+"""What every process of a multi-controller job must decide alike: a flag or an entry,
+decided by process 0 and broadcast (one small collective), so that no process runs a program
+the others skip. In a single process these return their argument.
+
+>>> agreed_flag(True), agreed_entry(None)
+(True, None)
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jsparse._src.engine.feed import KINDS, Entry
+
+
+def agreed_flag(flag: bool) -> bool:
+  """Process 0's ``flag``, on every process."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  return bool(multihost_utils.broadcast_one_to_all(np.array(flag, np.int32)))
+
+
+def agreed_entry(entry: Entry | None) -> Entry | None:
+  """Process 0's choice of ``entry``, on every process."""
+  if jax.process_count() == 1:
+    return entry
+  row = np.array([-1, 0, 0, 0] if entry is None else
+                 [entry.version, KINDS.index(entry.kind), entry.base, entry.parts], np.int64)
+  version, kind, base, parts = (int(x) for x in multihost_utils.broadcast_one_to_all(row))
+  return None if version < 0 else Entry(version, KINDS[kind], base, parts)
