@@ -45,10 +45,10 @@ def _init(args: argparse.Namespace) -> None:
                              initialization_timeout=120)
 
 
-def _config(args: argparse.Namespace):
+def config(vocab: int = 512, dim: int = 128):
+  """The model and schedule of the examples' jobs (small: they run in the tests)."""
   from jsparse.examples import rl_model
-  return rl_model.Config(vocab=args.vocab, dim=args.dim, depth=2, batch=8, seq=32,
-                         pretrain_steps=5)
+  return rl_model.Config(vocab=vocab, dim=dim, depth=2, batch=8, seq=32, pretrain_steps=5)
 
 
 def trainer_specs(params):
@@ -72,17 +72,16 @@ def rollout_specs(params):
   return jax.tree.map_with_path(spec, params)
 
 
-def abstract_trainer_params(args: argparse.Namespace):
+def abstract_trainer_params(cfg, trainer_devices: int):
   """The trainer's params as shapes on an abstract copy of its mesh: what a rollout builds the
   plan from (no arrays, no trainer devices)."""
   import jax
   from flax import nnx
   from jax.sharding import AbstractMesh, AxisType, NamedSharding
   from jsparse.examples import rl_model
-  cfg = _config(args)
   shapes = nnx.state(nnx.eval_shape(lambda: rl_model.TinyLM(cfg.vocab, cfg.dim, cfg.depth,
                                                             rngs=nnx.Rngs(0))), nnx.Param)
-  mesh = AbstractMesh((args.trainer_devices,), ("fsdp",), axis_types=(AxisType.Auto,))
+  mesh = AbstractMesh((trainer_devices,), ("fsdp",), axis_types=(AxisType.Auto,))
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                         sharding=NamedSharding(mesh, s)),
                       shapes, trainer_specs(shapes))
@@ -140,7 +139,7 @@ def trainer(args: argparse.Namespace) -> dict:
   import jsparse
   from jsparse.examples import rl_model
 
-  cfg = _config(args)
+  cfg = config(args.vocab, args.dim)
   mesh = jax.make_mesh((jax.device_count(),), ("fsdp",),
                        axis_types=(jax.sharding.AxisType.Auto,))  # XLA places the train step
   model = rl_model.pretrained_model(cfg)  # the same in every process (seeded, deterministic)
@@ -156,7 +155,8 @@ def trainer(args: argparse.Namespace) -> dict:
   def train_step(params, opt_state, tokens):
     grads = jax.grad(lambda p: rl_model.loss(nnx.merge(graphdef, p), tokens))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    new = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), shardings)
+    return new, opt_state  # laid out as the plan was made: no reshard before each diff
 
   # --- jsparse: the same three calls in every trainer process ---
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
@@ -226,9 +226,9 @@ def _restore_sender(plan, path: Path, shardings):
   return jsparse.Sender.restore(plan, _restore_state(plan, path, shardings))
 
 
-def _rollout_mesh(args: argparse.Namespace):
+def rollout_mesh(tensor: int):
+  """A (tensor, data) mesh over every device of the job."""
   import jax
-  tensor = args.tensor
   return jax.make_mesh((tensor, jax.device_count() // tensor), ("tensor", "data"))
 
 
@@ -251,8 +251,10 @@ def rollout(args: argparse.Namespace) -> dict:
   import jsparse
 
   out = Path(args.dir)
-  plan = jsparse.make_plan(abstract_trainer_params(args), rollout_dtype=jnp.bfloat16)
-  mesh = _rollout_mesh(args)
+  plan = jsparse.make_plan(abstract_trainer_params(config(args.vocab, args.dim),
+                                                   args.trainer_devices),
+                           rollout_dtype=jnp.bfloat16)
+  mesh = rollout_mesh(args.tensor)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
                            rollout_specs(plan.rollout_shapes()))
   if args.restore_from:

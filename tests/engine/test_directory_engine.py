@@ -59,11 +59,12 @@ def test_rollouts_lagging_by_any_amount_catch_up_in_order(run):
   assert far.stats.anchors >= 2  # lagged 5 > keep: anchors
 
 
-class _CorruptingFeed:
-  """A feed whose reads of one version come back damaged ``times`` times (in flight)."""
+class _DamagingFeed:
+  """A feed whose next ``times`` reads of one version come back damaged in flight: a flipped
+  bit, or the part cut short."""
 
-  def __init__(self, feed, version, times):
-    self.feed, self.version, self.times = feed, version, times
+  def __init__(self, feed, version, damage, times):
+    self.feed, self.version, self.damage, self.times = feed, version, damage, times
 
   def __getattr__(self, name):
     return getattr(self.feed, name)
@@ -72,18 +73,22 @@ class _CorruptingFeed:
     parts = [bytes(p) for p in self.feed.parts(entry)]
     if entry.version == self.version and entry.kind == "delta" and self.times:
       self.times -= 1
-      damaged = bytearray(parts[0])
-      damaged[len(damaged) // 2] ^= 0x08
-      parts[0] = bytes(damaged)
+      if self.damage == "flip":
+        damaged = bytearray(parts[0])
+        damaged[len(damaged) // 2] ^= 0x08
+        parts[0] = bytes(damaged)
+      else:
+        parts[0] = parts[0][:-7]
     return parts
 
 
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
 @pytest.mark.parametrize("times, recovered_by", [(1, "resend"), (2, "anchor")])
-def test_a_part_damaged_in_flight_is_read_again_or_replaced_by_an_anchor(run, times,
+def test_a_part_damaged_in_flight_is_read_again_or_replaced_by_an_anchor(run, damage, times,
                                                                          recovered_by):
   plan, states, feed = run
   publisher = Publisher(jsparse.Sender(plan, states[0]), feed, anchor_every=None)
-  subscriber = Subscriber(_rollout(plan, states), _CorruptingFeed(feed, 2, times))
+  subscriber = Subscriber(_rollout(plan, states), _DamagingFeed(feed, 2, damage, times))
   publisher.publish(states[1])
   publisher.publish(states[2])
   assert subscriber.poll() == ([1, 2] if recovered_by == "resend" else [1])

@@ -54,6 +54,7 @@ class Publisher:
     latest = self._latest()
     self._resync = latest is not None and latest != sender.version
     self._since_anchor = 0
+    self.bytes_put = 0  # by this process, over all publishes
 
   def _latest(self) -> int | None:
     entries = self.feed.entries()
@@ -84,6 +85,7 @@ class Publisher:
 
   def _put(self, entry: Entry, data: bytes) -> Entry:
     self.feed.put(entry, jax.process_index(), data)
+    self.bytes_put += len(data)
     return entry
 
   def _retain(self) -> None:

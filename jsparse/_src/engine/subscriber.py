@@ -56,14 +56,19 @@ class Subscriber:
   Args:
     receiver: the rollout's receiver (fresh, or restored from its saved state).
     feed: the feed the trainer publishes into.
+    start_with_anchor: the receiver does not hold any version of the trainer's (a rollout that
+      joins with empty weights): ask for an anchor, and take only anchors until one applies.
   """
 
-  def __init__(self, receiver: Receiver, feed: Feed):
+  def __init__(self, receiver: Receiver, feed: Feed, *, start_with_anchor: bool = False):
     self.receiver = receiver
     self.feed = feed
     self.stats = SubscriberStats()
     self._skipped: set[Entry] = set()
-    self._needs_anchor = False
+    self._needs_anchor = bool(start_with_anchor)
+    if start_with_anchor:
+      self.stats.anchor_requests += 1
+      feed.request_anchor()
 
   @property
   def version(self) -> int:

@@ -1,0 +1,156 @@
+"""A trainer actor and two rollout actors (different meshes) over a RayFeed on a local Ray
+instance (127.0.0.1, no dashboard): in sync, lagging, a rollout actor killed mid-stream and
+restarted from its Orbax state, and the trainer killed (its objects lost with it) and restarted
+from its saved state. The scenario runs once for the module; each test checks one outcome.
+Bit-identity is checked by hashing every leaf's bits on both sides."""
+
+import time
+import uuid
+
+import pytest
+import ray
+
+from jsparse import engine
+from jsparse.examples.ray_engine import Rollout, Trainer
+
+
+def _sync(trainer, rollouts):
+  ray.get([r.poll.remote() for r in rollouts])
+  want = ray.get(trainer.status.remote())
+  return want, [ray.get(r.status.remote()) for r in rollouts]
+
+
+def _kill(actor, timeout=60):
+  """Kills ``actor`` and waits until it is gone (``ray.kill`` returns at once)."""
+  ray.kill(actor)
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    try:
+      ray.get(actor.status.remote(), timeout=5)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+      return
+    time.sleep(0.2)
+  raise TimeoutError("the actor did not die")
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+  work = tmp_path_factory.mktemp("ray")
+  ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+           log_to_driver=False)
+  try:
+    out = {}
+    feed = engine.RayFeed.create(f"feed-{uuid.uuid4().hex[:8]}", timeout=30)
+    trainer = Trainer.remote(feed, str(work), anchor_every=3)
+    tp4 = Rollout.remote(feed, 4, str(work / "tp4"))
+    tp2 = Rollout.remote(feed, 2, str(work / "tp2"))
+    for _ in range(3):
+      ray.get(trainer.step.remote())
+      out["in_sync"] = _sync(trainer, [tp4, tp2])
+    for _ in range(5):  # tp2 lags 5 versions, past the deltas kept (3): an anchor
+      ray.get(trainer.step.remote())
+      ray.get(tp4.poll.remote())
+    out["lagged"] = _sync(trainer, [tp4, tp2])
+    out["tp4_saved"] = ray.get(tp4.save.remote())
+    ray.get(trainer.step.remote(2))
+    ray.get(tp4.poll.remote())
+    pid = ray.get(tp4.status.remote())["pid"]
+    _kill(tp4)  # mid-stream, without saving again
+    ray.get(trainer.step.remote())
+    tp4 = Rollout.remote(feed, 4, str(work / "tp4"))  # restarts from its saved state
+    out["tp4_restarted"] = ray.get(tp4.status.remote())["version"], pid
+    out["after_rollout_restart"] = _sync(trainer, [tp4, tp2])
+    out["trainer_saved"] = ray.get(trainer.save.remote())
+    for _ in range(4):  # versions 12-15, the anchor of 13 among them; tp2 does not poll
+      ray.get(trainer.step.remote())
+      ray.get(tp4.poll.remote())
+    _kill(trainer)  # the parts' owner dies (Ray 2.60 on one node still serves its parts)
+    ray.get(tp2.poll.remote())
+    out["trainer_killed"] = ray.get(tp2.status.remote())
+    trainer = Trainer.remote(feed, str(work), restore=True, anchor_every=3)
+    ray.get(trainer.step.remote())
+    out["after_trainer_restart"] = _sync(trainer, [tp4, tp2])
+    return out
+  finally:
+    ray.shutdown()
+
+
+def _identical(result, version=None):
+  want, got = result
+  for status in got:
+    assert status["bits"] == want["bits"], (status, want)
+    assert status["version"] == want["version"] == (version or want["version"])
+
+
+def test_two_rollouts_with_different_meshes_stay_bit_identical(scenario):
+  _identical(scenario["in_sync"], 3)
+  meshes = [s["mesh"] for s in scenario["in_sync"][1]]
+  assert meshes == [{"tensor": 4, "data": 2}, {"tensor": 2, "data": 4}]
+  for status in scenario["in_sync"][1]:
+    assert status["anchors"] == 1 and status["deltas"] == 2  # joined empty: an anchor first
+
+
+def test_a_lagging_rollout_catches_up_by_an_anchor_without_blocking_the_trainer(scenario):
+  _identical(scenario["lagged"], 8)
+  tp4, tp2 = scenario["lagged"][1]
+  assert tp4["anchors"] == 1 and tp4["deltas"] == 7
+  assert tp2["anchors"] == 2 and tp2["deltas"] == 3  # v2, v3; the anchor of v7; v8
+
+
+def test_the_trainer_puts_each_part_once_for_all_rollouts(scenario):
+  want, got = scenario["lagged"]
+  assert want["put_bytes"] < sum(s["bytes_read"] for s in got)
+
+
+def test_a_killed_rollout_resumes_from_its_saved_state(scenario):
+  version, old_pid = scenario["tp4_restarted"]
+  assert version == scenario["tp4_saved"] == 8
+  _identical(scenario["after_rollout_restart"], 11)
+  assert scenario["after_rollout_restart"][1][0]["pid"] != old_pid
+
+
+def test_a_restarted_trainer_publishes_an_anchor_newer_than_all_it_had(scenario):
+  saved = scenario["trainer_saved"]
+  assert saved == 11 and scenario["trainer_killed"]["version"] == 15
+  _identical(scenario["after_trainer_restart"], 16)  # not 12 again: rollouts stay consistent
+  tp4, tp2 = scenario["after_trainer_restart"][1]
+  assert tp2["anchors"] == 4  # joined, lagged (7), lagged (13), the restart (16)
+  assert tp4["anchors"] == 1  # counted since its own restart: the restart (16)
+
+
+@ray.remote
+def _crashing_worker():
+  import os
+  os._exit(1)
+
+
+def test_a_part_the_object_store_cannot_serve_is_replaced_by_an_anchor():
+  """A version's part that the object store cannot serve (its reference replaced by one whose
+  worker crashed before producing it): the subscriber skips the version, asks for an anchor,
+  and the publisher's next version brings the rollout back, exactly."""
+  import jax.numpy as jnp
+  import jsparse
+  from jsparse.engine import Publisher, Subscriber
+  from jsparse.testing import assert_trees_bitwise_equal
+  ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+           log_to_driver=False)
+  try:
+    feed = engine.RayFeed.create(f"feed-{uuid.uuid4().hex[:8]}", timeout=30)
+    params = {"w": jnp.linspace(-1.0, 1.0, 4096)}
+    plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+    publisher = Publisher(jsparse.Sender(plan, params), feed, anchor_every=None)
+    subscriber = Subscriber(jsparse.Receiver(plan, plan.cast(params)), feed)
+    params = {"w": params["w"] * 1.01}
+    publisher.publish(params)
+    assert subscriber.poll() == [1]
+    params = {"w": params["w"] * 1.01}
+    (lost,) = publisher.publish(params)  # version 2
+    feed._call("put", lost, 0, [_crashing_worker.remote()])  # the store cannot serve it
+    assert subscriber.poll() == [] and subscriber.stats.skipped == 1
+    params = {"w": params["w"] * 1.01}
+    written = publisher.publish(params)  # the request is honoured: delta and anchor of 3
+    assert [(e.version, e.kind) for e in written] == [(3, "delta"), (3, "anchor")]
+    assert subscriber.poll() == [3] and subscriber.stats.anchors == 1
+    assert_trees_bitwise_equal(subscriber.params, plan.cast(params))
+  finally:
+    ray.shutdown()
