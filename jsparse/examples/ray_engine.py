@@ -171,7 +171,10 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--address", default=None, help="a Ray cluster (default: start one)")
   parser.add_argument("--steps", type=int, default=6)
   args = parser.parse_args(argv)
-  ray.init(address=args.address, include_dashboard=False, num_cpus=None if args.address else 4)
+  if args.address:
+    ray.init(address=args.address)
+  else:  # a local instance on the loopback interface
+    ray.init(include_dashboard=False, num_cpus=4, _node_ip_address="127.0.0.1")
   try:
     work = Path(tempfile.mkdtemp(prefix="jsparse_ray_"))
     feed = engine.RayFeed.create()

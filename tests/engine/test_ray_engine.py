@@ -154,3 +154,11 @@ def test_a_part_the_object_store_cannot_serve_is_replaced_by_an_anchor():
     assert_trees_bitwise_equal(subscriber.params, plan.cast(params))
   finally:
     ray.shutdown()
+
+
+def test_the_demo_shows_a_trainer_and_two_rollouts_with_different_meshes(capsys):
+  from jsparse.examples import ray_engine
+  ray_engine.main(["--steps", "2"])
+  out = capsys.readouterr().out
+  assert "tp4 {'tensor': 4, 'data': 2} version 2 bit-identical: True" in out
+  assert "tp2 {'tensor': 2, 'data': 4} version 2 bit-identical: True" in out
