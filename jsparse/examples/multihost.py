@@ -2,11 +2,11 @@
 
 Every process of a ``jax.distributed`` job runs the same program on its own devices. The trainer
 job trains a Flax TinyLM (fp32 masters sharded FSDP over all its devices, AdamW at an RL learning
-rate); after each step every trainer process writes *its own part* of the update, computed from
-the shards it holds, to ``<dir>/v<version>/part-<process>.bin``. A rollout job (any number of
-processes, its own mesh) reads the parts through ``mmap``, so each rollout process reads only the
-bytes of the units that overlap its own blocks, and applies them bit-exactly. Version 1 is a
-dense anchor, so rollouts start from nothing; every other version is a sparse delta.
+rate); after each step every trainer process publishes *its own part* of the update, computed
+from the shards it holds, into an ``engine.DirectoryFeed`` in ``<dir>/feed``. A rollout job (any
+number of processes, its own mesh) reads the parts through ``mmap``, so each rollout process
+reads only the bytes of the units that overlap its own blocks, and applies them bit-exactly.
+Version 1 also comes as a dense anchor, so rollouts can start from nothing.
 
   python -m jsparse.examples.multihost --dir /tmp/jsparse_multihost   # everything, locally
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import mmap
 import os
 import resource
 import socket
@@ -32,8 +31,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Sequence
 
-STEP_DIR = "v{version}"
-PART_FILE = "part-{process}.bin"
+STEP_DIR = "v{version}"  # the test fixtures of each version (the trainer's bits)
+FEED = "feed"  # the parts, in an engine.DirectoryFeed
 
 
 def _init(args: argparse.Namespace) -> None:
@@ -87,13 +86,6 @@ def abstract_trainer_params(cfg, trainer_devices: int):
                       shapes, trainer_specs(shapes))
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(".tmp")
-  tmp.write_bytes(data)
-  os.replace(tmp, path)
-
-
 def _peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -137,6 +129,7 @@ def trainer(args: argparse.Namespace) -> dict:
   from jax.experimental import multihost_utils
   from jax.sharding import NamedSharding
   import jsparse
+  from jsparse import engine
   from jsparse.examples import rl_model
 
   cfg = config(args.vocab, args.dim)
@@ -158,10 +151,12 @@ def trainer(args: argparse.Namespace) -> dict:
     new = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), shardings)
     return new, opt_state  # laid out as the plan was made: no reshard before each diff
 
-  # --- jsparse: the same three calls in every trainer process ---
+  # --- jsparse: the same calls in every trainer process ---
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
   sender = jsparse.Sender(plan, params)
   out = Path(args.dir)
+  publisher = engine.Publisher(sender, engine.DirectoryFeed(out / FEED), anchor_every=None,
+                               keep=1000)  # keep every version: the tests replay them
   batches = rl_model.markov_batches(cfg, seed=1)  # the same batches in every process
   chain = jsparse.DeltaCheckpointManager(out / "chain", plan) if args.chain else None
   report = {"process": jax.process_index(), "versions": []}
@@ -172,20 +167,22 @@ def trainer(args: argparse.Namespace) -> dict:
   for version in range(1, args.steps + 2):
     if version > 1:
       params, opt_state = train_step(params, opt_state, np.asarray(next(batches)))
-    with _host_peak() as host:
-      part = sender.send_part(params, full=version == 1)  # version 1: a dense anchor
-    _write_atomically(out / STEP_DIR.format(version=version)
-                      / PART_FILE.format(process=jax.process_index()), part)
+    with _host_peak() as host:  # this process's part; version 1 also as an anchor
+      bytes_before = publisher.bytes_put
+      publisher.publish(params, anchor=version == 1)  # sender.send_part(params) inside
     # --- end of the jsparse calls; the rest is reporting and test fixtures ---
     stats = sender.last_stats
     if chain is not None:  # every process saves its part of each step
       report.setdefault("chain", []).append(chain.save(version, params)._asdict())
-    report["versions"].append({"version": version, "part_bytes": len(part),
+    report["versions"].append({"version": version, "part_bytes": stats.payload_bytes,
+                               "anchor_bytes": publisher.bytes_put - bytes_before
+                               - stats.payload_bytes,
                                "host_peak_bytes": host["peak"],
                                "changed": stats.changed, "elements": stats.elements,
                                "dense_bytes": stats.dense_bytes})
     expected = multihost_utils.process_allgather(plan.cast(params), tiled=True)  # test only
     if jax.process_index() == 0:
+      (out / STEP_DIR.format(version=version)).mkdir(parents=True, exist_ok=True)
       np.savez(out / STEP_DIR.format(version=version) / "expected.npz",
                **_bits_by_path(expected))
   if args.save_state:
@@ -232,14 +229,12 @@ def rollout_mesh(tensor: int):
   return jax.make_mesh((tensor, jax.device_count() // tensor), ("tensor", "data"))
 
 
-def _parts(out: Path, version: int) -> list:
-  """Every part of ``version``, memory-mapped: only the bytes that are sliced get read."""
-  files = sorted((out / STEP_DIR.format(version=version)).glob("part-*.bin"))
-  maps = []
-  for f in files:
-    with open(f, "rb") as handle:
-      maps.append(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
-  return maps
+def _parts(feed, version: int) -> list:
+  """Every part of ``version`` (its anchor for version 1, else its delta), memory-mapped: only
+  the bytes that are sliced get read."""
+  (entry,) = [e for e in feed.entries() if e.version == version
+              and e.kind == ("anchor" if version == 1 else "delta")]
+  return list(feed.parts(entry))
 
 
 def rollout(args: argparse.Namespace) -> dict:
@@ -249,6 +244,7 @@ def rollout(args: argparse.Namespace) -> dict:
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
   import jsparse
+  from jsparse import engine
 
   out = Path(args.dir)
   plan = jsparse.make_plan(abstract_trainer_params(config(args.vocab, args.dim),
@@ -265,8 +261,15 @@ def rollout(args: argparse.Namespace) -> dict:
                                          plan.rollout_shapes()), out_shardings=shardings)()
     receiver = jsparse.Receiver(plan, zeros)
   report = {"process": jax.process_index(), "versions": [], "refused": []}
+  feed = engine.DirectoryFeed(out / FEED)
+  if args.follow:  # a subscriber catches up from nothing: the anchor, then every delta
+    subscriber = engine.Subscriber(receiver, feed, start_with_anchor=True)
+    report["followed"] = subscriber.poll()
+    report["stats"] = vars(subscriber.stats)
+    _check_bits(subscriber.params, out / STEP_DIR.format(version=subscriber.version)
+                / "expected.npz")
   for version in range(receiver.version + 1, args.steps + 2):
-    parts = _parts(out, version)
+    parts = _parts(feed, version)
     if args.faults and version == 3:
       report["refused"] = _refusals(plan, receiver, parts, out)
     with _host_peak() as host:
@@ -398,6 +401,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--tensor", type=int, default=4, help="rollout tensor-parallel size")
   parser.add_argument("--name", default="rollout")
   parser.add_argument("--faults", action="store_true", help="refuse bad parts at version 3")
+  parser.add_argument("--follow", action="store_true",
+                      help="rollout: catch up with an engine.Subscriber from nothing")
   parser.add_argument("--save-state", action="store_true")
   parser.add_argument("--chain", action="store_true",
                       help="trainer: save a delta checkpoint chain; rollout: restore it")

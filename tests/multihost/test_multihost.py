@@ -23,6 +23,9 @@ def jobs(tmp_path_factory):
   reports["two"] = multihost.launch("rollout", 2, 4, str(fsdp),
                                     ["--name", "two", "--faults", "--save-at", "3"],
                                     timeout=TIMEOUT)
+  reports["follow"] = multihost.launch("rollout", 2, 4, str(fsdp),
+                                       ["--name", "follow", "--follow", "--steps", "0"],
+                                       timeout=TIMEOUT)
   reports["restored"] = multihost.launch(
       "rollout", 1, 8, str(fsdp), ["--name", "restored", "--tensor", "2",
                                    "--restore-from", "rollout_state_two", "--chain"], timeout=TIMEOUT)
@@ -45,7 +48,7 @@ def test_every_trainer_process_sends_its_own_part(jobs):
   assert [r["process"] for r in trainer] == [0, 1]
   assert len({r["digest"] for r in trainer}) == 1  # one end-to-end digest, via collectives
   dense = trainer[0]["versions"][0]["dense_bytes"]
-  anchor = [r["versions"][0]["part_bytes"] for r in trainer]
+  anchor = [r["versions"][0]["anchor_bytes"] for r in trainer]
   assert all(0.4 * dense < a < 0.6 * dense for a in anchor), (anchor, dense)
   assert sum(anchor) < 1.01 * dense  # replicated leaves are sent once, not once per process
   for r in trainer:
@@ -115,3 +118,10 @@ def test_a_delta_checkpoint_chain_saved_by_two_processes_restores_in_one(jobs):
   assert delta_bytes < 0.2 * trainer[0]["chain"][0]["bytes"], trainer[0]["chain"]
   restored = jobs["restored"][0]["chain_restored"]  # bits checked against the trainer's
   assert restored == {"step": 6, "kinds": ["base"] + ["parts"] * 5}
+
+
+def test_a_two_process_rollout_catches_up_with_a_subscriber(jobs):
+  for r in jobs["follow"]:  # from nothing: the anchor of version 1, then the deltas to 6
+    assert r["followed"] == [1, 2, 3, 4, 5, 6]
+    assert r["stats"]["anchors"] == 1 and r["stats"]["deltas"] == 5
+    assert r["digest"] == jobs["trainer"][0]["digest"]

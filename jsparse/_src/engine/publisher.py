@@ -60,9 +60,10 @@ class Publisher:
     entries = self.feed.entries()
     return max(e.version for e in entries) if entries else None
 
-  def publish(self, params: PyTree) -> list[Entry]:
+  def publish(self, params: PyTree, *, anchor: bool = False) -> list[Entry]:
     """Publishes ``params`` as the next version; returns the entries written (this process
-    wrote its part of each)."""
+    wrote its part of each). ``anchor``: also an anchor of this version, whatever is due (e.g.
+    the first version, for rollouts that start empty)."""
     parts = jax.process_count()
     if self._resync:
       version = max(self._latest() or 0, self.sender.version) + 1
@@ -75,7 +76,8 @@ class Publisher:
       written = [self._put(Entry(self.sender.version, "delta", base, parts), data)]
       self._since_anchor += 1
       requested = agreed_flag(jax.process_index() == 0 and self.feed.take_anchor_request())
-      if requested or (self.anchor_every and self._since_anchor >= self.anchor_every):
+      if anchor or requested or (self.anchor_every
+                                 and self._since_anchor >= self.anchor_every):
         version = self.sender.version
         written.append(self._put(Entry(version, "anchor", version - 1, parts),
                                  self.sender.anchor_part()))
