@@ -29,5 +29,5 @@ def __getattr__(name: str) -> Any:
   raise AttributeError(f"module 'jsparse.engine' has no attribute {name!r}")
 
 
-__all__ = ["DirectoryFeed", "Entry", "Feed", "PartsLostError", "Publisher", "RayFeed",
+__all__ = ["DirectoryFeed", "Entry", "Feed", "PartsLostError", "Publisher", "RayFeed",  # noqa: F822
            "Subscriber", "SubscriberStats"]

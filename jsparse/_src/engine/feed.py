@@ -38,7 +38,11 @@ class PartsLostError(JsparseError):
 @dataclasses.dataclass(frozen=True, order=True)
 class Entry:
   """A published version: a ``"delta"`` from version ``base``, or an ``"anchor"`` (accepted on
-  any older base), in ``parts`` parts."""
+  any older base), in ``parts`` parts.
+
+  >>> sorted([Entry(4, "delta", 3, 2), Entry(2, "anchor", 1, 2)])[0].version
+  2
+  """
 
   version: int
   kind: str
@@ -47,7 +51,13 @@ class Entry:
 
 
 class Feed(Protocol):
-  """Where a publisher puts parts and subscribers find them."""
+  """Where a publisher puts parts and subscribers find them: six methods, so that another
+  store (an object store API, a message queue) is one small class.
+
+  >>> import tempfile
+  >>> isinstance(DirectoryFeed(tempfile.mkdtemp()).entries(), list)
+  True
+  """
 
   def put(self, entry: Entry, part: int, data: bytes) -> None: ...
   def entries(self) -> list[Entry]: ...
@@ -69,6 +79,12 @@ class DirectoryFeed:
 
   Args:
     root: the directory (created if missing).
+
+  >>> import tempfile
+  >>> feed = DirectoryFeed(tempfile.mkdtemp())
+  >>> feed.put(Entry(1, "delta", 0, 1), 0, b"part")
+  >>> [e.version for e in feed.entries()], feed.take_anchor_request()
+  ([1], False)
   """
 
   def __init__(self, root: str | os.PathLike):

@@ -43,6 +43,14 @@ class Publisher:
   A sender restored from a state older than what the feed already holds (the trainer died after
   publishing more) must not reuse those version numbers: its first publish is then an anchor
   newer than everything in the feed, which every rollout accepts.
+
+  >>> import tempfile, jax.numpy as jnp, jsparse
+  >>> from jsparse import engine
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(8)})
+  >>> publisher = Publisher(jsparse.Sender(plan, {'w': jnp.zeros(8)}),
+  ...                       engine.DirectoryFeed(tempfile.mkdtemp()), anchor_every=None)
+  >>> [(e.version, e.kind) for e in publisher.publish({'w': jnp.ones(8)}, anchor=True)]
+  [(1, 'delta'), (1, 'anchor')]
   """
 
   def __init__(self, sender: Sender, feed: Feed, *, anchor_every: int | None = 8,

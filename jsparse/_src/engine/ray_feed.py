@@ -5,10 +5,7 @@ node), so fanning out to N rollouts does not multiply the trainer's egress.
 
 Reads have a timeout; a part whose owner died (the trainer process that put it), or that the
 object store lost, is a :class:`~jsparse.engine.PartsLostError`, which a subscriber answers by
-asking for an anchor.
-
->>> import ray  # doctest: +SKIP
->>> feed = RayFeed.create()  # in the driver, after ray.init(...)  # doctest: +SKIP
+asking for an anchor. (The example is :class:`RayFeed`'s.)
 """
 
 from __future__ import annotations
@@ -59,6 +56,15 @@ class RayFeed:
   Args:
     registry: the registry actor's handle (use :meth:`create` or :meth:`connect`).
     timeout: seconds a read waits for a part before it counts as lost.
+
+  >>> import ray
+  >>> _ = ray.init(address="local", num_cpus=1, include_dashboard=False,
+  ...              _node_ip_address="127.0.0.1", log_to_driver=False)
+  >>> feed = RayFeed.create("doctest-feed")  # pass it to the trainer and rollout actors
+  >>> feed.put(Entry(1, "delta", 0, 1), 0, b"part")
+  >>> feed.entries(), bytes(feed.parts(Entry(1, "delta", 0, 1))[0])
+  ([Entry(version=1, kind='delta', base=0, parts=1)], b'part')
+  >>> ray.shutdown()
   """
 
   def __init__(self, registry, *, timeout: float = 60.0):

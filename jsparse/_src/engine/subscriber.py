@@ -40,7 +40,11 @@ _TRANSIENT = PayloadError("damaged or missing parts")  # read them again once
 @dataclasses.dataclass
 class SubscriberStats:
   """What a subscriber did so far: versions applied, by kind; reads retried; versions skipped
-  (failed twice); anchors requested; bytes read."""
+  (failed twice); anchors requested; bytes read.
+
+  >>> SubscriberStats().deltas
+  0
+  """
 
   deltas: int = 0
   anchors: int = 0
@@ -58,6 +62,17 @@ class Subscriber:
     feed: the feed the trainer publishes into.
     start_with_anchor: the receiver does not hold any version of the trainer's (a rollout that
       joins with empty weights): ask for an anchor, and take only anchors until one applies.
+
+  >>> import tempfile, jax.numpy as jnp, jsparse
+  >>> from jsparse import engine
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(8)})
+  >>> feed = engine.DirectoryFeed(tempfile.mkdtemp())
+  >>> rollout = Subscriber(jsparse.Receiver(plan, {'w': jnp.ones(8)}), feed,
+  ...                      start_with_anchor=True)
+  >>> _ = engine.Publisher(jsparse.Sender(plan, {'w': jnp.zeros(8)}), feed).publish(
+  ...     {'w': jnp.zeros(8)})
+  >>> rollout.poll(), rollout.version, float(rollout.params['w'][0])
+  ([1], 1, 0.0)
   """
 
   def __init__(self, receiver: Receiver, feed: Feed, *, start_with_anchor: bool = False):
