@@ -256,17 +256,21 @@ def _rewritten(leaf, x: jax.Array, regions: list) -> jax.Array:
   return jax.make_array_from_single_device_arrays(leaf.shape, x.sharding, shards)
 
 
+def processes_with(flag: bool, flat: Sequence[jax.Array]) -> list[int]:
+  """The processes whose ``flag`` is set, among those of a job whose arrays ``flat`` span
+  several processes (one small all-gather); in a single process, ``[0]`` or ``[]``."""
+  if all(x.is_fully_addressable for x in flat):
+    return [jax.process_index()] if flag else []
+  flags = np.asarray(multihost_utils.process_allgather(np.array([flag], np.int32)))
+  return np.flatnonzero(flags.reshape(-1)).tolist()
+
+
 def agree(error: JsparseError | None, flat: Sequence[jax.Array]) -> None:
   """Raises ``error`` on this process, or a :class:`PayloadError` if another process of a
   rollout whose arrays span several processes failed: all of them apply a version, or none."""
-  if all(x.is_fully_addressable for x in flat):
-    if error is not None:
-      raise error
-    return
-  failed = np.asarray(multihost_utils.process_allgather(
-      np.array([error is not None], np.int32))).reshape(-1)
+  failed = processes_with(error is not None, flat)
   if error is not None:
     raise error
-  if failed.any():
-    raise PayloadError(f"rollout process(es) {np.flatnonzero(failed).tolist()} refused this "
-                       "version's parts: nothing was applied")
+  if failed:
+    raise PayloadError(f"rollout process(es) {failed} refused this version's parts: nothing "
+                       "was applied")

@@ -33,7 +33,7 @@ from jsparse._src.options import int_option
 from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value, owned_units
 from jsparse._src.sync import programs
-from jsparse._src.sync.parts import dense_records, part_records
+from jsparse._src.sync.parts import dense_records, part_records, processes_with
 from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, versioned_digest)
@@ -284,8 +284,11 @@ class Sender:
     version = check_version(self.version + 1 if version is None else version)
     if version <= self.version:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}")
-    full = full or self._needs_anchor or (self.anchor_every is not None
-                                          and version % self.anchor_every == 0)
+    # A multi-process trainer sends an anchor if any process must (its encode failed): all
+    # parts of a version are of one kind.
+    needs_anchor = bool(processes_with(self._needs_anchor, self._snapshot))
+    full = full or needs_anchor or (self.anchor_every is not None
+                                    and version % self.anchor_every == 0)
     flat = self._placed_like_snapshot(commit_leaves(self.plan.flatten(params, what="params")))
     snapshot_ids = {id(x) for x in self._snapshot}  # the snapshot is donated below
     flat = [jnp.copy(x) if id(x) in snapshot_ids else x for x in flat]
