@@ -171,13 +171,14 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--address", default=None, help="a Ray cluster (default: start one)")
   parser.add_argument("--steps", type=int, default=6)
   args = parser.parse_args(argv)
-  if args.address:
+  started = not ray.is_initialized()  # (the tests call main() inside their own instance)
+  if started and args.address:
     ray.init(address=args.address)
-  else:  # a local instance on the loopback interface
+  elif started:  # a local instance on the loopback interface
     ray.init(include_dashboard=False, num_cpus=4, _node_ip_address="127.0.0.1")
   try:
     work = Path(tempfile.mkdtemp(prefix="jsparse_ray_"))
-    feed = engine.RayFeed.create()
+    feed = engine.RayFeed.create(f"jsparse-demo-{os.getpid()}")
     trainer = Trainer.remote(feed, str(work))
     rollouts = {name: Rollout.remote(feed, tensor, str(work / name))
                 for name, tensor in (("tp4", 4), ("tp2", 2))}
@@ -190,10 +191,13 @@ def main(argv: Sequence[str] | None = None) -> None:
       got = ray.get(rollout.status.remote())
       print(name, got["mesh"], "version", got["version"], "bit-identical:",
             got["bits"] == want["bits"], f"deltas {got['deltas']} anchors {got['anchors']}")
+    for actor in (trainer, *rollouts.values()):
+      ray.kill(actor)
     print(f"the trainer put {want['put_bytes']} bytes (deltas, and anchors every 4 versions) "
           f"once for both rollouts; dense bf16 is {want['dense_bytes']} bytes per version")
   finally:
-    ray.shutdown()
+    if started:
+      ray.shutdown()
 
 
 if __name__ == "__main__":

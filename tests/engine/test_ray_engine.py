@@ -34,45 +34,53 @@ def _kill(actor, timeout=60):
 
 
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
-  work = tmp_path_factory.mktemp("ray")
+def local_ray():
+  """One local Ray instance for the module (loopback, 4 CPUs, no dashboard), always shut down."""
   ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
            log_to_driver=False)
   try:
-    out = {}
-    feed = engine.RayFeed.create(f"feed-{uuid.uuid4().hex[:8]}", timeout=30)
-    trainer = Trainer.remote(feed, str(work), anchor_every=3)
-    tp4 = Rollout.remote(feed, 4, str(work / "tp4"))
-    tp2 = Rollout.remote(feed, 2, str(work / "tp2"))
-    for _ in range(3):
-      ray.get(trainer.step.remote())
-      out["in_sync"] = _sync(trainer, [tp4, tp2])
-    for _ in range(5):  # tp2 lags 5 versions, past the deltas kept (3): an anchor
-      ray.get(trainer.step.remote())
-      ray.get(tp4.poll.remote())
-    out["lagged"] = _sync(trainer, [tp4, tp2])
-    out["tp4_saved"] = ray.get(tp4.save.remote())
-    ray.get(trainer.step.remote(2))
-    ray.get(tp4.poll.remote())
-    pid = ray.get(tp4.status.remote())["pid"]
-    _kill(tp4)  # mid-stream, without saving again
-    ray.get(trainer.step.remote())
-    tp4 = Rollout.remote(feed, 4, str(work / "tp4"))  # restarts from its saved state
-    out["tp4_restarted"] = ray.get(tp4.status.remote())["version"], pid
-    out["after_rollout_restart"] = _sync(trainer, [tp4, tp2])
-    out["trainer_saved"] = ray.get(trainer.save.remote())
-    for _ in range(4):  # versions 12-15, the anchor of 13 among them; tp2 does not poll
-      ray.get(trainer.step.remote())
-      ray.get(tp4.poll.remote())
-    _kill(trainer)  # the parts' owner dies (Ray 2.60 on one node still serves its parts)
-    ray.get(tp2.poll.remote())
-    out["trainer_killed"] = ray.get(tp2.status.remote())
-    trainer = Trainer.remote(feed, str(work), restore=True, anchor_every=3)
-    ray.get(trainer.step.remote())
-    out["after_trainer_restart"] = _sync(trainer, [tp4, tp2])
-    return out
+    yield
   finally:
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def scenario(local_ray, tmp_path_factory):
+  work = tmp_path_factory.mktemp("ray")
+  out = {}
+  feed = engine.RayFeed.create(f"feed-{uuid.uuid4().hex[:8]}", timeout=30)
+  trainer = Trainer.remote(feed, str(work), anchor_every=3)
+  tp4 = Rollout.remote(feed, 4, str(work / "tp4"))
+  tp2 = Rollout.remote(feed, 2, str(work / "tp2"))
+  for _ in range(3):
+    ray.get(trainer.step.remote())
+    out["in_sync"] = _sync(trainer, [tp4, tp2])
+  for _ in range(5):  # tp2 lags 5 versions, past the deltas kept (3): an anchor
+    ray.get(trainer.step.remote())
+    ray.get(tp4.poll.remote())
+  out["lagged"] = _sync(trainer, [tp4, tp2])
+  out["tp4_saved"] = ray.get(tp4.save.remote())
+  ray.get(trainer.step.remote(2))
+  ray.get(tp4.poll.remote())
+  pid = ray.get(tp4.status.remote())["pid"]
+  _kill(tp4)  # mid-stream, without saving again
+  ray.get(trainer.step.remote())
+  tp4 = Rollout.remote(feed, 4, str(work / "tp4"))  # restarts from its saved state
+  out["tp4_restarted"] = ray.get(tp4.status.remote())["version"], pid
+  out["after_rollout_restart"] = _sync(trainer, [tp4, tp2])
+  out["trainer_saved"] = ray.get(trainer.save.remote())
+  for _ in range(4):  # versions 12-15, the anchor of 13 among them; tp2 does not poll
+    ray.get(trainer.step.remote())
+    ray.get(tp4.poll.remote())
+  _kill(trainer)  # the parts' owner dies (Ray 2.60 on one node still serves its parts)
+  ray.get(tp2.poll.remote())
+  out["trainer_killed"] = ray.get(tp2.status.remote())
+  trainer = Trainer.remote(feed, str(work), restore=True, anchor_every=3)
+  ray.get(trainer.step.remote())
+  out["after_trainer_restart"] = _sync(trainer, [tp4, tp2])
+  for actor in (trainer, tp4, tp2):
+    ray.kill(actor)
+  return out
 
 
 def _identical(result, version=None):
@@ -124,7 +132,7 @@ def _crashing_worker():
   os._exit(1)
 
 
-def test_a_part_the_object_store_cannot_serve_is_replaced_by_an_anchor():
+def test_a_part_the_object_store_cannot_serve_is_replaced_by_an_anchor(local_ray):
   """A version's part that the object store cannot serve (its reference replaced by one whose
   worker crashed before producing it): the subscriber skips the version, asks for an anchor,
   and the publisher's next version brings the rollout back, exactly."""
@@ -132,31 +140,26 @@ def test_a_part_the_object_store_cannot_serve_is_replaced_by_an_anchor():
   import jsparse
   from jsparse.engine import Publisher, Subscriber
   from jsparse.testing import assert_trees_bitwise_equal
-  ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-           log_to_driver=False)
-  try:
-    feed = engine.RayFeed.create(f"feed-{uuid.uuid4().hex[:8]}", timeout=30)
-    params = {"w": jnp.linspace(-1.0, 1.0, 4096)}
-    plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
-    publisher = Publisher(jsparse.Sender(plan, params), feed, anchor_every=None)
-    subscriber = Subscriber(jsparse.Receiver(plan, plan.cast(params)), feed)
-    params = {"w": params["w"] * 1.01}
-    publisher.publish(params)
-    assert subscriber.poll() == [1]
-    params = {"w": params["w"] * 1.01}
-    (lost,) = publisher.publish(params)  # version 2
-    feed._call("put", lost, 0, [_crashing_worker.remote()])  # the store cannot serve it
-    assert subscriber.poll() == [] and subscriber.stats.skipped == 1
-    params = {"w": params["w"] * 1.01}
-    written = publisher.publish(params)  # the request is honoured: delta and anchor of 3
-    assert [(e.version, e.kind) for e in written] == [(3, "delta"), (3, "anchor")]
-    assert subscriber.poll() == [3] and subscriber.stats.anchors == 1
-    assert_trees_bitwise_equal(subscriber.params, plan.cast(params))
-  finally:
-    ray.shutdown()
+  feed = engine.RayFeed.create(f"feed-{uuid.uuid4().hex[:8]}", timeout=30)
+  params = {"w": jnp.linspace(-1.0, 1.0, 4096)}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  publisher = Publisher(jsparse.Sender(plan, params), feed, anchor_every=None)
+  subscriber = Subscriber(jsparse.Receiver(plan, plan.cast(params)), feed)
+  params = {"w": params["w"] * 1.01}
+  publisher.publish(params)
+  assert subscriber.poll() == [1]
+  params = {"w": params["w"] * 1.01}
+  (lost,) = publisher.publish(params)  # version 2
+  feed._call("put", lost, 0, [_crashing_worker.remote()])  # the store cannot serve it
+  assert subscriber.poll() == [] and subscriber.stats.skipped == 1
+  params = {"w": params["w"] * 1.01}
+  written = publisher.publish(params)  # the request is honoured: delta and anchor of 3
+  assert [(e.version, e.kind) for e in written] == [(3, "delta"), (3, "anchor")]
+  assert subscriber.poll() == [3] and subscriber.stats.anchors == 1
+  assert_trees_bitwise_equal(subscriber.params, plan.cast(params))
 
 
-def test_the_demo_shows_a_trainer_and_two_rollouts_with_different_meshes(capsys):
+def test_the_demo_shows_a_trainer_and_two_rollouts_with_different_meshes(local_ray, capsys):
   from jsparse.examples import ray_engine
   ray_engine.main(["--steps", "2"])
   out = capsys.readouterr().out
