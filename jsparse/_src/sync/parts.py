@@ -32,6 +32,7 @@ from jsparse._src.core.units import (Unit, block_box, local_value, needs_unit, o
                                      to_unit_positions, unit_slot, write_regions)
 from jsparse._src.errors import JsparseError, PayloadError
 from jsparse._src.sync.programs import DeviceChanges
+from jsparse._src.threads import parallel_map
 from jsparse._src.wire.parts import PartHeader, PartIndex, read_index, read_unit
 from jsparse._src.wire.payload import (Coding, Mode, Payload, SegmentPayload, segment_host_bits,
                                        sparse_record)
@@ -142,15 +143,13 @@ def read_parts(plan: Plan, parts: Sequence, held: Sequence[jax.Array]) -> PartsR
   _check_one_version(indexes)
   counts = _check_coverage(plan, indexes)
   boxes = process_boxes(held)
-  records, bytes_read, units_read = [], 0, 0
-  for index, data in zip(indexes, parts):
-    bytes_read += index.entries[0].start if index.entries else index.size
-    for i, entry in enumerate(index.entries):
-      if needs_unit(plan, entry.unit, boxes):
-        records.append((entry.unit, read_unit(plan, index, data, i)))
-        bytes_read += entry.length
-        units_read += 1
-  stats = ReadStats(len(parts), sum(len(i.entries) for i in indexes), units_read,
+  wanted = [(index, data, i) for index, data in zip(indexes, parts)
+            for i, entry in enumerate(index.entries) if needs_unit(plan, entry.unit, boxes)]
+  records = parallel_map(  # zstd and NumPy release the GIL: units decode in parallel
+      lambda w: (w[0].entries[w[2]].unit, read_unit(plan, *w)), wanted)
+  bytes_read = sum(i.entries[0].start if i.entries else i.size for i in indexes) + sum(
+      index.entries[i].length for index, _, i in wanted)
+  stats = ReadStats(len(parts), sum(len(i.entries) for i in indexes), len(wanted),
                     sum(i.size for i in indexes), bytes_read)
   any_sparse = any(e.mode not in (Mode.DENSE, Mode.EMPTY) for i in indexes for e in i.entries)
   return PartsRead(indexes[0].header, tuple(records), counts, any_sparse, stats)

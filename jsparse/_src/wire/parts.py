@@ -35,6 +35,7 @@ import numpy as np
 
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import PayloadError
+from jsparse._src.threads import parallel_map
 from jsparse._src.core.units import Unit, unit_slots
 from jsparse._src.wire import compact, lists
 from jsparse._src.wire.payload import (FORMAT_MODES, MAX_VERSION, Format, Kind, Mode,
@@ -97,16 +98,21 @@ def encode_part(plan: Plan, header: PartHeader, units: Sequence[Unit],
                 records: Sequence[SegmentPayload]) -> bytes:
   """The bytes of one part: ``records[i]`` is unit ``units[i]``'s record in its index space."""
   body_codec = _BODIES[header.format]
-  bodies, table = [], []
-  for unit, record in zip(units, records):
-    body = b"" if record.mode != Mode.DENSE and not record.count else \
-        body_codec.encode_body(unit_slots(plan, unit), [record])
+
+  def body_of(unit_record: tuple) -> bytes:
+    unit, record = unit_record
+    if record.mode != Mode.DENSE and not record.count:
+      return b""
+    return body_codec.encode_body(unit_slots(plan, unit), [record])
+
+  bodies = parallel_map(body_of, zip(units, records))  # zstd and NumPy release the GIL
+  table = []
+  for unit, record, body in zip(units, records, bodies):
     mode = record.mode if record.mode == Mode.DENSE or record.count else Mode.EMPTY
     count = len(record.values) if mode == Mode.DENSE else record.count
     runs = _runs(unit.blocks)
     table.append(ENTRY.pack(unit.segment, mode, count, len(body), zlib.crc32(body), len(runs))
                  + b"".join(RUN.pack(*run) for run in runs))
-    bodies.append(body)
   table_bytes = b"".join(table)
   head = HEADER.pack(MAGIC, header.format, header.kind, _RANKED if header.ranked else 0,
                      plan.fingerprint, header.base_version, header.version, header.base_digest,
