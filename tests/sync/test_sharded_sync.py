@@ -14,9 +14,14 @@ from jsparse._src.wire.payload import Mode
 from tests.meshes import PAIRS, assert_layout, place, trees
 
 
-@pytest.mark.parametrize("trainer, rollout", PAIRS)
+# Every layout pair with the default coding; lists (another record path, same layouts) on three
+# pairs. tests/sync/test_parts.py runs the same pairs through payload parts.
+CASES = ([(t, r, "ranked") for t, r in PAIRS]
+         + [(t, r, "lists") for t, r in (PAIRS[0], PAIRS[4], PAIRS[5])])
+
+
+@pytest.mark.parametrize("trainer, rollout, coding", CASES)
 @pytest.mark.parametrize("density", [0.02, 0.6])
-@pytest.mark.parametrize("coding", ["lists", "ranked"])
 def test_sender_receiver_across_layouts(trainer, rollout, density, coding):
   base, _ = trees(1, 0.0)
   params = place(base, trainer)
