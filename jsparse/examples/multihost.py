@@ -71,6 +71,23 @@ def rollout_specs(params):
   return jax.tree.map_with_path(spec, params)
 
 
+def sharded_train_step(graphdef, tx, shardings):
+  """A jitted AdamW step of the TinyLM on params split as ``shardings``; the new params keep
+  that layout (the plan's), so the sender reshards nothing before each diff."""
+  import jax
+  import optax
+  from flax import nnx
+  from jsparse.examples import rl_model
+
+  @jax.jit
+  def train_step(params, opt_state, tokens):
+    grads = jax.grad(lambda p: rl_model.loss(nnx.merge(graphdef, p), tokens))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), shardings)
+    return new, opt_state
+  return train_step
+
+
 def abstract_trainer_params(cfg, trainer_devices: int):
   """The trainer's params as shapes on an abstract copy of its mesh: what a rollout builds the
   plan from (no arrays, no trainer devices)."""
@@ -144,12 +161,7 @@ def trainer(args: argparse.Namespace) -> dict:
   tx = optax.adamw(cfg.rl_lr)
   opt_state = jax.jit(tx.init)(params)
 
-  @jax.jit
-  def train_step(params, opt_state, tokens):
-    grads = jax.grad(lambda p: rl_model.loss(nnx.merge(graphdef, p), tokens))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    new = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), shardings)
-    return new, opt_state  # laid out as the plan was made: no reshard before each diff
+  train_step = sharded_train_step(graphdef, tx, shardings)
 
   # --- jsparse: the same calls in every trainer process ---
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)

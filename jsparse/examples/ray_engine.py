@@ -91,15 +91,7 @@ class Trainer:
     self.publisher = engine.Publisher(sender, feed, anchor_every=anchor_every, keep=anchor_every)
     self.plan = plan
 
-    graphdef, tx, shardings = self._graphdef, self._tx, self._shardings
-
-    @jax.jit
-    def train_step(params, opt_state, tokens):
-      grads = jax.grad(lambda p: rl_model.loss(nnx.merge(graphdef, p), tokens))(params)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      new = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), shardings)
-      return new, opt_state  # laid out as the plan was made: no reshard before each diff
-    self._train_step = train_step
+    self._train_step = multihost.sharded_train_step(self._graphdef, self._tx, self._shardings)
 
   def step(self, steps: int = 1) -> int:
     """Trains ``steps`` steps, publishing each; returns the version published last."""
