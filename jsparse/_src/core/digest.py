@@ -20,7 +20,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -45,43 +45,49 @@ def _words(bits: jax.Array) -> jax.Array:
   return bits.astype(jnp.uint32)
 
 
-def _mixed_sums(leaf: jax.Array, positions: jax.Array, leaf_id: int) -> jax.Array:
+def _mixed_sums(leaf: jax.Array, positions: jax.Array, leaf_id: jax.Array) -> jax.Array:
   words = _words(bits_lib.to_bits(leaf)).reshape(-1)
   positions = positions.astype(jnp.uint32).reshape(-1)
   lanes = []
   for k, (c_bits, c_pos) in enumerate(_SEEDS):
-    seed = jnp.uint32((leaf_id * 0x632BE5AB + k) & 0xFFFFFFFF)
+    seed = leaf_id * jnp.uint32(0x632BE5AB) + jnp.uint32(k)  # wraps mod 2**32
     lanes.append(_fmix(words * jnp.uint32(c_bits) + positions * jnp.uint32(c_pos) + seed))
   zero = jnp.uint32(0)
   sums = lax.reduce(tuple(lanes), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), (0,))
   return jnp.stack(sums)
 
 
-def _leaf_digest(leaf: jax.Array, leaf_id: int, layout: Layout | None) -> jax.Array:
+def _leaf_digest(leaf: jax.Array, leaf_id: jax.Array, layout: Layout | None) -> jax.Array:
   if layout is None:
     flat = leaf.reshape(-1)
     return _mixed_sums(flat, jnp.arange(flat.shape[0], dtype=jnp.uint32), leaf_id)
 
-  def local(block):  # each device sums its own block; the partial sums add up
+  def local(block, leaf_id):  # each device sums its own block; the partial sums add up
     partial = _mixed_sums(block, block_positions(layout, leaf.shape), leaf_id)
     return lax.psum(partial, layout.split_axes)
 
-  return layout.shard_map(local, (layout.spec,), PartitionSpec())(leaf)
+  return layout.shard_map(local, (layout.spec, PartitionSpec()), PartitionSpec())(leaf, leaf_id)
 
 
 def bits_digest(leaves: Sequence[jax.Array],
-                layouts: Sequence[Layout | None] | None = None) -> jax.Array:
+                layouts: Sequence[Layout | None] | None = None,
+                leaf_ids: jax.Array | None = None) -> jax.Array:
   """Returns ``uint32[2]``, a position-sensitive digest of the bit patterns of ``leaves``.
 
   ``layouts`` (static) says which leaves are split into blocks over a mesh; those are digested
-  block by block on the devices that hold them, without gathering.
+  block by block on the devices that hold them, without gathering. ``leaf_ids`` (``uint32``,
+  may be traced; default ``0, 1, ...``) are the leaves' ids in the whole tree: the digest of a
+  tree is the sum (mod 2**32) of the digests of any split of its leaves with their ids.
 
   >>> import jax.numpy as jnp, jsparse
   >>> jsparse.bits_digest([jnp.zeros(3)]).shape
   (2,)
   """
+  if leaf_ids is None:
+    leaf_ids = np.arange(len(leaves), dtype=np.uint32)
   total = jnp.zeros((2,), jnp.uint32)
-  for leaf_id, leaf in enumerate(leaves):
+  for j, leaf in enumerate(leaves):
     if leaf.size:
-      total = total + _leaf_digest(leaf, leaf_id, layouts[leaf_id] if layouts else None)
+      leaf_id = jnp.asarray(leaf_ids, jnp.uint32)[j]
+      total = total + _leaf_digest(leaf, leaf_id, layouts[j] if layouts else None)
   return total

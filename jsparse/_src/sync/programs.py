@@ -1,9 +1,14 @@
 """The jitted device programs of :class:`~jsparse.Sender` and :class:`~jsparse.Receiver`, and
 the host arrays they take.
 
-The plan (and the receiver's block layouts) are static: the sender's diff program and the
-digest compile once per plan; the per-change programs (ranks, positions, the receiver's apply)
-take slots sized to the payload's changes and compile at most 4 variants (:func:`slots_needed`).
+Every program runs per chunk (``core/chunks.py``: a few segments of one structure), with the
+chunk's structural sub-plan (and the receiver's block layouts) static: chunks of the same
+structure share one compilation, so compile time follows the distinct leaf shapes, not the leaf
+count. The sender's diff program and the digest compile once per chunk structure; the
+per-change programs (ranks, positions, the receiver's apply) take slots sized to the payload's
+changes and compile at most 4 variants each (:func:`slots_needed`). The chunks' results are
+put back in plan order (per leaf, per segment), so everything after the device stages sees the
+whole tree.
 
 - Sender: :func:`sender_changes` diffs, takes the next snapshot and digests it (one program),
   then ranks the changes of the ordered segments (a second, on slots sized to the changes).
@@ -26,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse._src.core.chunks import (chunks_of, place_leaves, place_segments, sum_digests,
+                                      unchunked_leaves)
 from jsparse._src.core.delta import Delta, apply_flat, diff_flat_with_old, segment_bits
 from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.plan import Plan, Segment
@@ -81,10 +88,27 @@ def _trainer_layouts(plan: Plan) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def snapshot_program(plan: Plan, flat: list, leaf_ids: jax.Array
+                     ) -> tuple[list[jax.Array], jax.Array]:
+  """A chunk's rollout-dtype snapshot of trainer leaves, and its digest."""
+  snapshot = cast_flat(plan, flat)
+  return snapshot, bits_digest(snapshot, _trainer_layouts(plan), leaf_ids)
+
+
+def _cast_unchunked(plan: Plan, flat: list) -> list:
+  """``flat`` with the leaves in no chunk (zero-size) cast to their rollout dtypes."""
+  out = list(flat)
+  for i in unchunked_leaves(plan):
+    out[i] = jnp.asarray(flat[i]).astype(plan.leaves[i].rollout_dtype)
+  return out
+
+
 def snapshot_and_digest(plan: Plan, flat: list) -> tuple[list[jax.Array], jax.Array]:
   """The rollout-dtype snapshot of trainer leaves, and its digest."""
-  snapshot = cast_flat(plan, flat)
-  return snapshot, bits_digest(snapshot, _trainer_layouts(plan))
+  chunks = chunks_of(plan)
+  outs = [snapshot_program(c.plan, c.leaves(flat), c.leaf_id_array) for c in chunks]
+  return (place_leaves(plan, chunks, [o[0] for o in outs], _cast_unchunked(plan, flat)),
+          sum_digests([o[1] for o in outs]))
 
 
 def _tables(plan: Plan, seg: Segment, flat: list) -> ranks_lib.ClassTables:
@@ -92,16 +116,32 @@ def _tables(plan: Plan, seg: Segment, flat: list) -> ranks_lib.ClassTables:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
-def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list):
-  """(delta, old bits at its positions, per-block counts, class tables of the ordered segments
-  (if ``ranked``; for :func:`rank_program`), the next snapshot, its digest). The snapshot is
-  donated."""
+def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: jax.Array):
+  """A chunk's (delta, old bits at its positions, per-block counts, class tables of the ordered
+  segments (if ``ranked``; for :func:`rank_program`), the next snapshot, its digest). The
+  snapshot is donated."""
   delta, old_values, block_counts = diff_flat_with_old(plan, snapshot, new)
   tables = tuple(_tables(plan, seg, snapshot) if ranked and seg.ordered else None
                  for seg in plan.segments)
   next_snapshot = cast_flat(plan, new)
   return (delta, old_values, block_counts, tables, next_snapshot,
-          bits_digest(next_snapshot, _trainer_layouts(plan)))
+          bits_digest(next_snapshot, _trainer_layouts(plan), leaf_ids))
+
+
+@jax.jit
+def _in_plan_order(chunk_arrays: list[jax.Array], order: jax.Array) -> jax.Array:
+  return jnp.concatenate(chunk_arrays)[order]
+
+
+def _plan_order(plan: Plan) -> np.ndarray:
+  """Where each segment's entry is in the chunks' concatenated per-segment arrays."""
+  position = np.empty(len(plan.segments), np.int32)
+  position[[s for c in chunks_of(plan) for s in c.segment_ids]] = np.arange(len(plan.segments))
+  return position
+
+
+def _segment_array(plan: Plan, chunk_arrays: list[jax.Array], empty: jax.Array) -> jax.Array:
+  return _in_plan_order(chunk_arrays, _plan_order(plan)) if chunk_arrays else empty
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -122,12 +162,24 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
                    ) -> tuple[DeviceChanges, list[jax.Array], jax.Array]:
   """The sender's device stage: (its changes, the next snapshot, its digest). ``snapshot`` is
   donated. ``ranks=False`` skips ranking (an anchor needs none)."""
-  delta, old_values, block_counts, tables, next_snapshot, digest = diff_program(
-      plan, coding.ranked, snapshot, new)
+  chunks = chunks_of(plan)
+  outs = [diff_program(c.plan, coding.ranked, c.leaves(snapshot), c.leaves(new), c.leaf_id_array)
+          for c in chunks]
+  deltas = [o[0] for o in outs]
+  delta = Delta(place_segments(plan, chunks, [d.indices for d in deltas]),
+                place_segments(plan, chunks, [d.values for d in deltas]),
+                _segment_array(plan, [d.counts for d in deltas], jnp.zeros((0,), jnp.int32)),
+                _segment_array(plan, [d.overflow for d in deltas], jnp.zeros((0,), bool)))
+  old_values, block_counts, tables = (place_segments(plan, chunks, [o[k] for o in outs])
+                                      for k in (1, 2, 3))
+  next_snapshot = place_leaves(plan, chunks, [o[4] for o in outs], _cast_unchunked(plan, new))
+  digest = sum_digests([o[5] for o in outs])
   ranks_out = None
   if coding.ranked and ranks:  # ranks need only as many slots as this step's changes
     slots = slots_needed(plan, local_value(delta.counts))
-    ranks_out = rank_program(plan, slots, tables, delta.indices, old_values)
+    ranks_out = place_segments(plan, chunks, [
+        rank_program(c.plan, c.segments(slots), c.segments(tables), c.segments(delta.indices),
+                     c.segments(old_values)) for c in chunks])
   return DeviceChanges(delta, old_values, ranks_out, block_counts), next_snapshot, digest
 
 
@@ -191,10 +243,11 @@ def _ulp_decoder(seg: Segment):
   return ulp_codes.decoder(seg.dtype)
 
 
-def _apply(plan: Plan, layouts: tuple, coded: bool, flat: list, indices: tuple, values: tuple):
+def _apply(plan: Plan, layouts: tuple, coded: bool, flat: list, indices: tuple, values: tuple,
+           leaf_ids: jax.Array):
   out = apply_flat(plan, layouts, flat, indices, values,
                    decoders=_ulp_decoder if coded else None)
-  return out, bits_digest(out, layouts)
+  return out, bits_digest(out, layouts, leaf_ids)
 
 
 positions_program = jax.jit(_positions, static_argnums=(0, 1, 2))
@@ -205,15 +258,29 @@ digest_program = jax.jit(bits_digest, static_argnums=1)
 
 
 def apply_program(donate: bool):
-  """The receiver's jitted apply: ``(plan, layouts, coded, flat, indices, values) ->
-  (flat, digest)`` with the first three static; ``flat`` donated if ``donate``."""
+  """The receiver's jitted apply of a chunk: ``(plan, layouts, coded, flat, indices, values,
+  leaf_ids) -> (flat, digest)`` with the first three static; ``flat`` donated if ``donate``."""
   return _APPLY_PROGRAMS[bool(donate)]
+
+
+def leaves_digest(plan: Plan, flat: list, layouts: tuple) -> jax.Array:
+  """The digest of rollout leaves split into blocks as ``layouts`` says, chunk by chunk."""
+  return sum_digests([digest_program(c.leaves(flat), tuple(c.leaves(layouts)), c.leaf_id_array)
+                      for c in chunks_of(plan)])
 
 
 def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs, *,
                  donate: bool) -> tuple[list[jax.Array], jax.Array]:
-  """The receiver's device stage: (the updated leaves, their digest)."""
-  indices = inputs.keys
-  if inputs.coded:
-    indices = positions_program(plan, layouts, inputs.ranked, flat, inputs.keys, inputs.counts)
-  return apply_program(donate)(plan, layouts, inputs.coded, flat, indices, inputs.values)
+  """The receiver's device stage, chunk by chunk: (the updated leaves, their digest)."""
+  chunks = chunks_of(plan)
+  outs = []
+  for c in chunks:
+    chunk_layouts, chunk_flat = tuple(c.leaves(layouts)), c.leaves(flat)
+    indices = keys = c.segments(inputs.keys)
+    if inputs.coded:
+      indices = positions_program(c.plan, chunk_layouts, c.segments(inputs.ranked), chunk_flat,
+                                  keys, inputs.counts[list(c.segment_ids)])
+    outs.append(apply_program(donate)(c.plan, chunk_layouts, inputs.coded, chunk_flat, indices,
+                                      c.segments(inputs.values), c.leaf_id_array))
+  return (place_leaves(plan, chunks, [o[0] for o in outs], flat),
+          sum_digests([o[1] for o in outs]))

@@ -74,7 +74,7 @@ class Receiver:
       self._flat = owned_leaves(self._flat)
     self._layouts = layouts_of(plan, self._flat)
     self._donate = donate
-    self._bits = digest_bytes(programs.digest_program(self._flat, self._layouts))
+    self._bits = digest_bytes(programs.leaves_digest(plan, self._flat, self._layouts))
     self.last_read: parts_lib.ReadStats | None = None  # of the last receive_parts
 
   @property
@@ -130,7 +130,7 @@ class Receiver:
     self._check_base(payload)
     flat = self._write_dense(payload)
     if all(p.mode == Mode.DENSE for p in payload.segments):
-      digest = programs.digest_program(flat, self._layouts)
+      digest = programs.leaves_digest(self.plan, flat, self._layouts)
     else:
       flat, digest = programs.apply_inputs(self.plan, self._layouts, flat,
                                            programs.receiver_inputs(self.plan, payload),
@@ -176,7 +176,7 @@ class Receiver:
     self.last_read = read.stats
     flat = parts_lib.write_dense_units(self.plan, self._flat, read)
     if not read.any_sparse:
-      digest = programs.digest_program(flat, self._layouts)
+      digest = programs.leaves_digest(self.plan, flat, self._layouts)
     else:
       inputs = programs.receiver_inputs(self.plan, parts_lib.merged_payload(self.plan, read),
                                         slot_counts=read.sparse_counts,

@@ -1,0 +1,152 @@
+"""Scale benchmark: set-up time against the number of leaves, and time per parameter against
+model size.
+
+The trees are layered like an unscanned transformer: per layer four ``(w, w)`` attention
+matrices, an up and a down projection ``(w, 4w)`` and ``(4w, w)``, and two norm scales ``(w,)``
+(8 leaves per layer), pretrained-like values (normal, std 0.02), fp32 masters and a bf16 rollout.
+An update is one step of sign-like AdamW updates at lr 1e-6, as RL post-training makes them
+(~1% of the bf16 elements change).
+
+- :func:`compile_times`: ``Sender()``, the first ``send``, ``Receiver()`` and the first
+  ``receive`` of a fresh process's worth of compilations (``jax.clear_caches()`` before each
+  size), against a plain jitted per-leaf op over the same tree (the bf16 cast a dense sync does).
+- :func:`scaling`: per model size, in a fresh process each, the steady ``send`` and ``receive``
+  times per parameter and the process's peak resident memory against the bytes it must hold
+  (fp32 params, the sender's bf16 snapshot, the receiver's bf16 params).
+
+>>> rows = compile_times([16], width=32)
+>>> sorted(rows[16])
+['first receive', 'first send', 'plain jit', 'receiver', 'sender']
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jsparse
+
+LEAVES_PER_LAYER = 8
+
+
+def layered_tree(leaves: int, width: int, seed: int = 0) -> dict:
+  """A tree of ``leaves`` fp32 leaves (8 per layer, see the module docstring)."""
+  rng = np.random.default_rng(seed)
+  shapes = {"attn_q": (width, width), "attn_k": (width, width), "attn_v": (width, width),
+            "attn_o": (width, width), "mlp_up": (width, 4 * width), "mlp_down": (4 * width, width),
+            "norm_attn": (width,), "norm_mlp": (width,)}
+  tree: dict = {}
+  for i in range(leaves):
+    name, shape = list(shapes.items())[i % LEAVES_PER_LAYER]
+    value = (1.0 + 0.1 * rng.standard_normal(shape) if name.startswith("norm")
+             else 0.02 * rng.standard_normal(shape))
+    tree.setdefault(f"layer{i // LEAVES_PER_LAYER:05d}", {})[name] = jnp.asarray(value,
+                                                                                 jnp.float32)
+  return tree
+
+
+@jax.jit
+def rl_like_step(params, key):
+  """One sign-like AdamW step at lr 1e-6 on every leaf."""
+  keys = jax.random.split(key, len(jax.tree.leaves(params)))
+  leaves, treedef = jax.tree.flatten(params)
+  return jax.tree.unflatten(treedef, [
+      x - 1e-6 * jnp.sign(jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)])
+
+
+def _timed(fn):
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  return out, time.perf_counter() - start
+
+
+def compile_times(leaf_counts: Sequence[int], width: int = 128) -> dict:
+  """Per leaf count: seconds of each set-up step (compilations included), see the module
+  docstring."""
+  rows = {}
+  for n in leaf_counts:
+    before = layered_tree(n, width)
+    after = rl_like_step(before, jax.random.key(n))
+    jax.block_until_ready(after)
+    jax.clear_caches()
+    plan = jsparse.make_plan(before, rollout_dtype=jnp.bfloat16)
+    row = {}
+    _, row["plain jit"] = _timed(lambda: jax.jit(plan.cast)(before))
+    rollout = plan.cast(before)
+    jax.block_until_ready(rollout)
+    sender, row["sender"] = _timed(lambda: jsparse.Sender(plan, before))
+    data, row["first send"] = _timed(lambda: sender.send(after))
+    receiver, row["receiver"] = _timed(lambda: jsparse.Receiver(plan, rollout))
+    _, row["first receive"] = _timed(lambda: receiver.receive(data))
+    rows[n] = row
+    del before, after, rollout, sender, receiver
+  return rows
+
+
+def print_compile_times(rows: dict) -> None:
+  print("set-up seconds (compilations included) against the number of leaves; x = the four "
+        "set-up steps over a plain jitted per-leaf op")
+  print(f"{'leaves':>7} {'plain jit':>9} {'Sender()':>9} {'1st send':>9} {'Receiver()':>10} "
+        f"{'1st recv':>9} {'x':>6}")
+  for n, row in rows.items():
+    setup = row["sender"] + row["first send"] + row["receiver"] + row["first receive"]
+    print(f"{n:>7} {row['plain jit']:>9.2f} {row['sender']:>9.2f} {row['first send']:>9.2f} "
+          f"{row['receiver']:>10.2f} {row['first receive']:>9.2f} "
+          f"{setup / row['plain jit']:>6.1f}")
+
+
+def _scaling_point(params_target: int, width: int, steps: int = 3) -> dict:
+  """One model size, in this process: see :func:`scaling`."""
+  layers = max(1, round(params_target / (12 * width * width + 2 * width)))
+  params = layered_tree(layers * LEAVES_PER_LAYER, width)
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  sender = jsparse.Sender(plan, params)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  step = jax.jit(rl_like_step.__wrapped__, donate_argnums=0)
+  sends, receives = [], []
+  for k in range(steps):
+    params = jax.block_until_ready(step(params, jax.random.key(k)))
+    data, seconds = _timed(lambda: sender.send(params))
+    sends.append(seconds)
+    _, seconds = _timed(lambda: receiver.receive(data))
+    receives.append(seconds)
+  n = plan.num_elements
+  held = n * 4 + 2 * plan.rollout_bytes
+  return {"params": n, "leaves": len(plan.leaves), "density": sender.last_stats.density,
+          "bytes": len(data), "send": min(sends[1:]), "receive": min(receives[1:]),
+          "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "held": held}
+
+
+def scaling(params_targets: Sequence[int] = (25_000_000, 100_000_000, 250_000_000,
+                                               1_000_000_000), width: int = 1024) -> list:
+  """Per target size (layers of ``width``), a fresh process's steady send and receive times and
+  peak memory (:func:`_scaling_point`)."""
+  rows = []
+  for target in params_targets:
+    code = (f"import json; from jsparse.benchmarks import scale; "
+            f"print(json.dumps(scale._scaling_point({int(target)}, {int(width)})))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True)
+    rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+  return rows
+
+
+def print_scaling(rows: list) -> None:
+  print("steady sync time per parameter and peak memory against model size (a fresh process "
+        "per size)")
+  print(f"{'params':>13} {'leaves':>6} {'density':>8} {'bytes':>11} {'send ms':>8} "
+        f"{'recv ms':>8} {'ns/param':>8} {'peak RSS GB':>11} {'held GB':>8} {'RSS/held':>8}")
+  for r in rows:
+    per = (r["send"] + r["receive"]) / r["params"] * 1e9
+    print(f"{r['params']:>13,} {r['leaves']:>6} {r['density']:>8.2%} {r['bytes']:>11,} "
+          f"{r['send'] * 1e3:>8.1f} {r['receive'] * 1e3:>8.1f} {per:>8.2f} "
+          f"{r['peak_rss'] / 1e9:>11.2f} {r['held'] / 1e9:>8.2f} "
+          f"{r['peak_rss'] / r['held']:>8.2f}")
