@@ -33,7 +33,10 @@ import numpy as np
 
 from jsparse._src.core.plan import LeafSpec, Plan, Segment
 
-MAX_SEGMENTS = 4  # per chunk: bigger chunks compile superlinearly, smaller ones dispatch more
+# Per chunk: bigger chunks compile superlinearly, smaller ones dispatch more. A pool's leaves
+# are each an input and an output of its programs: a pool of many leaves is a chunk alone.
+MAX_SEGMENTS = 4
+MAX_LEAVES = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +90,15 @@ def _sub_plan(plan: Plan, segment_ids: Sequence[int]) -> Plan:
 @functools.lru_cache(maxsize=64)
 def chunks_of(plan: Plan) -> tuple[Chunk, ...]:
   """The plan's segments as chunks: segments of one structure, taken in plan order, by up to
-  :data:`MAX_SEGMENTS`; chunks ordered by their first segment."""
+  :data:`MAX_SEGMENTS` (and :data:`MAX_LEAVES` leaves, at least one segment); chunks ordered
+  by their first segment."""
   by_structure: dict[tuple, list[int]] = {}
   for s, seg in enumerate(plan.segments):
     by_structure.setdefault(_structure(plan, seg), []).append(s)
-  groups = sorted(by_structure.values())
-  runs = [ids[i:i + MAX_SEGMENTS] for ids in groups for i in range(0, len(ids), MAX_SEGMENTS)]
+  runs = []
+  for ids in by_structure.values():
+    per_chunk = max(1, min(MAX_SEGMENTS, MAX_LEAVES // len(plan.segments[ids[0]].leaf_ids)))
+    runs += [ids[i:i + per_chunk] for i in range(0, len(ids), per_chunk)]
   return tuple(Chunk(tuple(ids), tuple(i for s in ids for i in plan.segments[s].leaf_ids),
                      _sub_plan(plan, ids))
                for ids in sorted(runs))

@@ -7,8 +7,9 @@ each segment's static capacity. A :class:`~jsparse.Delta` has shapes that depend
 so ``diff`` and ``apply`` compile once per plan.
 
 Segments: a leaf of at least ``bucket_size`` elements is a segment of its own; smaller leaves are
-pooled, in tree order, into shared segments of at most ``bucket_size`` elements (grouped by bit
-width), so a model with hundreds of small biases and norms costs a few segments, not hundreds.
+pooled, in tree order, into shared segments of at most ``bucket_size`` elements and
+:data:`MAX_POOL_LEAVES` leaves (grouped by rollout dtype), so a model with hundreds of small
+biases and norms costs a few segments, not hundreds.
 A leaf that the trainer shards into blocks (a ``NamedSharding``) is a segment of its own with a
 capacity per block, and is diffed block by block on the devices that hold it.
 
@@ -39,6 +40,9 @@ from jsparse._src.pytree import PyTree
 RolloutDtype = Any  # None | dtype | Callable[[str, jax.ShapeDtypeStruct], dtype | None]
 
 MAX_SEGMENT_ELEMENTS = 2**31 - 1  # indices are int32 (jax without x64)
+# Leaves per pool: a pool's programs take and return each of its leaves, and compile in time
+# that grows with their number; pools of one composition share compilations (``chunks.py``).
+MAX_POOL_LEAVES = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +299,8 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
     pooled_capacity: the same for segments that pool small leaves. Small leaves (biases, norms)
       change far more often than large matrices, and a pool is small, so the default carries every
       element.
-    bucket_size: leaves smaller than this are pooled into shared segments of at most this size.
+    bucket_size: leaves smaller than this are pooled into shared segments of at most this size
+      (and at most 32 leaves).
 
   Returns:
     A hashable :class:`Plan`.
@@ -369,7 +374,8 @@ def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity
       close([leaf_id], dtype)
       continue
     pool = open_pools.setdefault(dtype, [])  # one dtype per pool: values are coded by dtype
-    if pool and sum(leaves[i].size for i in pool) + leaf.size > bucket_size:
+    if pool and (sum(leaves[i].size for i in pool) + leaf.size > bucket_size
+                 or len(pool) == MAX_POOL_LEAVES):
       close(pool, dtype)
       pool = open_pools[dtype] = []
     pool.append(leaf_id)
