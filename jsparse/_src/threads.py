@@ -8,9 +8,10 @@ the CPU count, at most 8); 1 runs everything in the calling thread.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -30,6 +31,31 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None =
   threads = default_threads() if threads is None else threads
   if threads <= 1 or len(items) <= 1:
     return [fn(x) for x in items]
+  return list(_pool(threads).map(fn, items))
+
+
+def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
   if threads not in _POOLS:
     _POOLS[threads] = concurrent.futures.ThreadPoolExecutor(threads, "jsparse")
-  return list(_POOLS[threads].map(fn, items))
+  return _POOLS[threads]
+
+
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None = None
+                ) -> Iterator[R]:
+  """Yields ``fn(x)`` for ``items`` in order, computing up to ``threads`` results ahead of the
+  consumer on the pool (so at most that many wait in memory). ``fn`` must not use the pool.
+
+  >>> list(ordered_map(lambda x: x + 1, range(4), threads=2))
+  [1, 2, 3, 4]
+  """
+  threads = default_threads() if threads is None else threads
+  if threads <= 1:
+    yield from (fn(x) for x in items)
+    return
+  pending: collections.deque = collections.deque()
+  for x in items:
+    pending.append(_pool(threads).submit(fn, x))
+    if len(pending) > threads:
+      yield pending.popleft().result()
+  while pending:
+    yield pending.popleft().result()

@@ -168,7 +168,8 @@ def trainer(args: argparse.Namespace) -> dict:
   sender = jsparse.Sender(plan, params)
   out = Path(args.dir)
   publisher = engine.Publisher(sender, engine.DirectoryFeed(out / FEED), anchor_every=None,
-                               keep=1000)  # keep every version: the tests replay them
+                               keep=1000,  # keep every version: the tests replay them
+                               chunk_bytes=args.chunk_bytes)  # streamed in parts of this size
   batches = rl_model.markov_batches(cfg, seed=1)  # the same batches in every process
   chain = jsparse.DeltaCheckpointManager(out / "chain", plan) if args.chain else None
   report = {"process": jax.process_index(), "versions": []}
@@ -181,7 +182,7 @@ def trainer(args: argparse.Namespace) -> dict:
       params, opt_state = train_step(params, opt_state, np.asarray(next(batches)))
     with _host_peak() as host:  # this process's part; version 1 also as an anchor
       bytes_before = publisher.bytes_put
-      publisher.publish(params, anchor=version == 1)  # sender.send_part(params) inside
+      publisher.publish(params, anchor=version == 1)  # sender.send_stream(params) inside
     # --- end of the jsparse calls; the rest is reporting and test fixtures ---
     stats = sender.last_stats
     if chain is not None:  # every process saves its part of each step
@@ -331,20 +332,23 @@ def _refusals(plan, receiver, parts: list, out: Path) -> list:
   for name in ("missing", "corrupt"):
     if name == "missing":
       given = parts[:-1]
-    else:
-      index = read_index(plan, parts[-1])
+    else:  # a unit body that only the last process reads, else one it reads
       boxes = process_boxes(jax.tree.leaves(receiver.params))
-      needed = np.array([needs_unit(plan, e.unit, boxes) and e.length > 0
-                         for e in index.entries], np.int32)
-      per_process = np.asarray(multihost_utils.process_allgather(needed)).reshape(
-          jax.process_count(), -1)
-      only_last = np.flatnonzero(per_process[-1] & (per_process[:-1].sum(0) == 0))
-      entry = index.entries[int(only_last[0]) if len(only_last) else
-                            int(np.flatnonzero(per_process[-1])[0])]
-      corrupt = bytearray(parts[-1])
+      candidates = []  # (part, entry, read by the last process only)
+      for j, part in enumerate(parts):  # the same collectives and choice in every process
+        index = read_index(plan, part)
+        needed = np.array([needs_unit(plan, e.unit, boxes) and e.length > 0
+                           for e in index.entries] + [False], np.int32)
+        per_process = np.asarray(multihost_utils.process_allgather(needed)).reshape(
+            jax.process_count(), -1)
+        only = per_process[-1] & (per_process[:-1].sum(0) == 0)
+        candidates += [(j, index.entries[i], bool(only[i]))
+                       for i in np.flatnonzero(per_process[-1])]
+      j, entry, only_last = max(candidates, key=lambda c: (c[2], c[0]))
+      corrupt = bytearray(parts[j])
       corrupt[entry.start + entry.length // 2] ^= 0x40
-      given = parts[:-1] + [bytes(corrupt)]
-      name += " (read by the last process only)" if len(only_last) else ""
+      given = parts[:j] + [bytes(corrupt)] + parts[j + 1:]
+      name += " (read by the last process only)" if only_last else ""
     try:
       receiver.receive_parts(given)
       outcomes.append({"case": name, "refused": False})
@@ -410,6 +414,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--vocab", type=int, default=512)
   parser.add_argument("--dim", type=int, default=128)
   parser.add_argument("--trainer-devices", type=int, default=8)
+  parser.add_argument("--chunk-bytes", type=int, default=128 << 10,
+                      help="trainer: rollout bytes per streamed part (several per process)")
   parser.add_argument("--tensor", type=int, default=4, help="rollout tensor-parallel size")
   parser.add_argument("--name", default="rollout")
   parser.add_argument("--faults", action="store_true", help="refuse bad parts at version 3")

@@ -39,6 +39,8 @@ class Publisher:
     feed: where parts go (:class:`~jsparse.engine.DirectoryFeed`, :class:`~jsparse.engine.RayFeed`).
     anchor_every: also publish an anchor every this many versions (None: only on request).
     keep: keep the deltas of the last ``keep`` versions even when an anchor is newer.
+    chunk_bytes: each version is streamed (:meth:`~jsparse.Sender.send_stream`) in parts of at
+      most this many bytes of rollout data, each put into the feed as soon as it is coded.
 
   A sender restored from a state older than what the feed already holds (the trainer died after
   publishing more) must not reuse those version numbers: its first publish is then an anchor
@@ -54,9 +56,10 @@ class Publisher:
   """
 
   def __init__(self, sender: Sender, feed: Feed, *, anchor_every: int | None = 8,
-               keep: int = 8):
+               keep: int = 8, chunk_bytes: int = 64 << 20):
     self.sender = sender
     self.feed = feed
+    self.chunk_bytes = int_option("chunk_bytes", chunk_bytes, minimum=1)
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.keep = int_option("keep", keep, minimum=0)
     latest = self._latest()
@@ -70,18 +73,18 @@ class Publisher:
 
   def publish(self, params: PyTree, *, anchor: bool = False) -> list[Entry]:
     """Publishes ``params`` as the next version; returns the entries written (this process
-    wrote its part of each). ``anchor``: also an anchor of this version, whatever is due (e.g.
+    wrote its parts of each). ``anchor``: also an anchor of this version, whatever is due (e.g.
     the first version, for rollouts that start empty)."""
     parts = jax.process_count()
     if self._resync:
       version = max(self._latest() or 0, self.sender.version) + 1
-      data = self.sender.send_part(params, full=True, version=version)
-      written = [self._put(Entry(version, "anchor", version - 1, parts), data)]
+      written = [self._put_stream("anchor", version - 1, self.sender.send_stream(
+          params, full=True, version=version, chunk_bytes=self.chunk_bytes))]
       self._resync, self._since_anchor = False, 0
     else:
       base = self.sender.version
-      data = self.sender.send_part(params)
-      written = [self._put(Entry(self.sender.version, "delta", base, parts), data)]
+      written = [self._put_stream("delta", base, self.sender.send_stream(
+          params, chunk_bytes=self.chunk_bytes))]
       self._since_anchor += 1
       requested = agreed_flag(jax.process_index() == 0 and self.feed.take_anchor_request())
       if anchor or requested or (self.anchor_every
@@ -92,6 +95,14 @@ class Publisher:
         self._since_anchor = 0
     self._retain()
     return written
+
+  def _put_stream(self, kind: str, base: int, stream) -> Entry:
+    """Puts each part of a streamed version as it is produced."""
+    entry = Entry(self.sender.version, kind, base, stream.parts)
+    for k, data in enumerate(stream):  # to the end: the sender counts the stream done
+      self.feed.put(entry, stream.numbers[k], data)
+      self.bytes_put += len(data)
+    return entry
 
   def _put(self, entry: Entry, data: bytes) -> Entry:
     self.feed.put(entry, jax.process_index(), data)

@@ -129,6 +129,61 @@ class PartsRead:
   stats: ReadStats
 
 
+class PartsReader:
+  """Reads one version's parts as they arrive (:meth:`add`), then checks them as one version
+  (:meth:`finish`). Each part's index is checked and the unit bodies this process needs are
+  decoded on arrival, so host decoding overlaps the transfer of the next parts; only the
+  decoded records of this process's units are kept.
+
+  Args:
+    plan: the plan.
+    held: this process's rollout leaves (which blocks it holds decides what it decodes).
+  """
+
+  def __init__(self, plan: Plan, held: Sequence[jax.Array]):
+    self.plan = plan
+    self._boxes = process_boxes(held)
+    self._indexes: list[PartIndex] = []
+    self._records: list[tuple[Unit, SegmentPayload]] = []
+    self._bytes_read = 0
+
+  def add(self, data) -> PartIndex:
+    """Checks part ``data`` (bytes, or anything with ``len`` and slicing) against the plan and
+    the parts before it, and decodes the units this process needs.
+
+    Raises:
+      PayloadError: a corrupt or foreign part, or one of another version than the first.
+    """
+    index = read_index(self.plan, data)
+    _check_one_version(self._indexes + [index], complete=False)
+    wanted = [i for i, entry in enumerate(index.entries)
+              if needs_unit(self.plan, entry.unit, self._boxes)]
+    records = parallel_map(  # zstd and NumPy release the GIL: units decode in parallel
+        lambda i: (index.entries[i].unit, read_unit(self.plan, index, data, i)), wanted)
+    self._indexes.append(index)
+    self._records += records
+    self._bytes_read += (index.entries[0].start if index.entries else index.size) + sum(
+        index.entries[i].length for i in wanted)
+    return index
+
+  def finish(self) -> PartsRead:
+    """The version read, once every part was added once.
+
+    Raises:
+      PayloadError: no part, a missing or repeated part, or parts that do not cover every
+        segment exactly once.
+    """
+    if not self._indexes:
+      raise PayloadError("no parts given")
+    _check_one_version(self._indexes, complete=True)
+    counts = _check_coverage(self.plan, self._indexes)
+    indexes = self._indexes
+    stats = ReadStats(len(indexes), sum(len(i.entries) for i in indexes), len(self._records),
+                      sum(i.size for i in indexes), self._bytes_read)
+    any_sparse = any(e.mode not in (Mode.DENSE, Mode.EMPTY) for i in indexes for e in i.entries)
+    return PartsRead(indexes[0].header, tuple(self._records), counts, any_sparse, stats)
+
+
 def read_parts(plan: Plan, parts: Sequence, held: Sequence[jax.Array]) -> PartsRead:
   """Reads one version's ``parts`` (bytes, or anything with ``len`` and slicing, such as an
   ``mmap``) for a process holding the shards of this process in ``held`` (rollout leaves).
@@ -139,23 +194,18 @@ def read_parts(plan: Plan, parts: Sequence, held: Sequence[jax.Array]) -> PartsR
   """
   if not len(parts):
     raise PayloadError("no parts given")
-  indexes = [read_index(plan, p) for p in parts]
-  _check_one_version(indexes)
-  counts = _check_coverage(plan, indexes)
-  boxes = process_boxes(held)
-  wanted = [(index, data, i) for index, data in zip(indexes, parts)
-            for i, entry in enumerate(index.entries) if needs_unit(plan, entry.unit, boxes)]
-  records = parallel_map(  # zstd and NumPy release the GIL: units decode in parallel
-      lambda w: (w[0].entries[w[2]].unit, read_unit(plan, *w)), wanted)
-  bytes_read = sum(i.entries[0].start if i.entries else i.size for i in indexes) + sum(
-      index.entries[i].length for index, _, i in wanted)
-  stats = ReadStats(len(parts), sum(len(i.entries) for i in indexes), len(wanted),
-                    sum(i.size for i in indexes), bytes_read)
-  any_sparse = any(e.mode not in (Mode.DENSE, Mode.EMPTY) for i in indexes for e in i.entries)
-  return PartsRead(indexes[0].header, tuple(records), counts, any_sparse, stats)
+  indexes = [read_index(plan, p) for p in parts]  # every index checked before any body
+  _check_one_version(indexes, complete=True)
+  _check_coverage(plan, indexes)
+  reader = PartsReader(plan, held)
+  for data in parts:
+    reader.add(data)
+  return reader.finish()
 
 
-def _check_one_version(indexes: Sequence[PartIndex]) -> None:
+def _check_one_version(indexes: Sequence[PartIndex], complete: bool) -> None:
+  """Raises unless the parts are of one version, none repeated (and, if ``complete``, none
+  missing)."""
   first = indexes[0].header
   for index in indexes[1:]:
     if index.header.same_version() != first.same_version():
@@ -164,6 +214,8 @@ def _check_one_version(indexes: Sequence[PartIndex]) -> None:
                          f"{index.header.base_version}, against {first.version} from "
                          f"{first.base_version})")
   numbers = sorted(i.header.part for i in indexes)
+  if not complete and len(set(numbers)) == len(numbers):
+    return
   if numbers != list(range(first.parts)):
     missing = sorted(set(range(first.parts)) - set(numbers))
     repeated = sorted({n for n in numbers if numbers.count(n) > 1})

@@ -164,12 +164,42 @@ class Receiver:
     """
     return self._apply_parts(parts)
 
-  @mesh_neutral
+  def open_stream(self) -> "ReceiveStream":
+    """Starts receiving one version part by part, as the parts arrive (e.g. from
+    :meth:`Sender.send_stream`): :meth:`ReceiveStream.add` checks and decodes each part on
+    arrival, :meth:`ReceiveStream.commit` applies the version once every part is in. Nothing
+    is applied before the commit, and a stream that is dropped or fails changes nothing.
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> plan = jsparse.make_plan({'a': jnp.zeros(70000), 'b': jnp.zeros(70000)},
+    ...                          rollout_dtype=jnp.bfloat16)
+    >>> sender = jsparse.Sender(plan, {'a': jnp.zeros(70000), 'b': jnp.zeros(70000)})
+    >>> receiver = jsparse.Receiver(plan, sender.snapshot)
+    >>> stream = receiver.open_stream()
+    >>> for part in sender.send_stream({'a': jnp.ones(70000), 'b': jnp.zeros(70000)},
+    ...                                chunk_bytes=150_000):
+    ...   _ = stream.add(part)
+    >>> float(stream.commit()['a'][0]), receiver.version, receiver.last_read.parts
+    (1.0, 1, 2)
+    """
+    return ReceiveStream(self)
+
   def _apply_parts(self, parts: Sequence) -> PyTree:
     error, read = None, None
     try:
       read = parts_lib.read_parts(self.plan, parts, self._flat)
-      self._check_base(read.header)
+    except JsparseError as e:
+      error = e
+    return self._apply_read(read, error)
+
+  @mesh_neutral
+  def _apply_read(self, read: "parts_lib.PartsRead | None", error: JsparseError | None
+                  ) -> PyTree:
+    """Applies a version read from parts, if every process of the rollout read it (``error``:
+    why this process did not)."""
+    try:
+      if error is None:
+        self._check_base(read.header)
     except JsparseError as e:
       error = e
     parts_lib.agree(error, self._flat)
@@ -225,3 +255,51 @@ class Receiver:
                            "(sender.send(params, full=True))")
     self._flat = flat
     self.version, self._bits = payload.version, bits
+
+
+class ReceiveStream:
+  """One version arriving part by part at a :class:`Receiver` (from
+  :meth:`Receiver.open_stream`). Parts may come in any order; each is checked (checksums,
+  plan, version) and decoded when added, and the version is applied at :meth:`commit`, all
+  or nothing, as :meth:`Receiver.receive_parts` applies it."""
+
+  def __init__(self, receiver: Receiver):
+    self._receiver = receiver
+    self._reader = parts_lib.PartsReader(receiver.plan, receiver._flat)
+    self._error: JsparseError | None = None
+    self._done = False
+
+  def add(self, part) -> int:
+    """Checks and decodes one part; returns its number.
+
+    Raises:
+      PayloadError: a corrupt or foreign part, one of another version, or one added twice
+        (the stream is then refused at commit; nothing is applied).
+    """
+    if self._done:
+      raise VersionError("this stream was committed: open a new one for the next version")
+    try:
+      return self._reader.add(part).header.part
+    except JsparseError as e:
+      self._error = self._error or e
+      raise
+
+  def commit(self) -> PyTree:
+    """Applies the version and returns the new params. In a rollout job of several processes
+    every process commits, and the version is applied only where every process read it.
+
+    Raises:
+      PayloadError: a part is missing or was refused; VersionError, IntegrityError: as
+        :meth:`Receiver.receive`. Nothing is applied, except as :meth:`Receiver.receive` says
+        for a donating receiver.
+    """
+    if self._done:
+      raise VersionError("this stream was committed already")
+    self._done = True
+    read, error = None, self._error
+    if error is None:
+      try:
+        read = self._reader.finish()
+      except JsparseError as e:
+        error = e
+    return self._receiver._apply_read(read, error)

@@ -34,6 +34,7 @@ from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value, owned_units
 from jsparse._src.sync import programs
 from jsparse._src.sync.parts import dense_records, part_records, processes_with
+from jsparse._src.sync.stream import PartStream, produce, stream_pieces
 from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, versioned_digest)
@@ -125,6 +126,7 @@ class Sender:
     self._needs_anchor = False  # set when a payload failed after the snapshot moved on
     self._relaid: set[str] = set()  # leaves already warned about (laid out otherwise)
     self._owned: tuple | None = None  # the units this process sends in a part
+    self._pieces: dict[int, tuple] = {}  # by chunk_bytes: this process's stream pieces
     self.last_stats: SendStats | None = None
 
   def state(self) -> SyncState:
@@ -242,6 +244,54 @@ class Sender:
       raise
     self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data))
     return data
+
+  def send_stream(self, params: PyTree, *, full: bool = False, version: int | None = None,
+                  chunk_bytes: int = 64 << 20) -> PartStream:
+    """The next version as a stream of parts, each covering at most ``chunk_bytes`` of rollout
+    data (a larger leaf is a part alone): ship each part as it comes, while the next ones are
+    coded (on ``JSPARSE_THREADS`` threads) and the device still diffs. Returns a
+    :class:`PartStream` (an iterator of the part bytes, with their numbers). A receiver checks and
+    decodes each part as it arrives (:meth:`Receiver.open_stream`) and applies the version
+    when all have arrived; :meth:`Receiver.receive_parts` takes them all at once. Peak host
+    memory is a few parts, not the model, even for an anchor.
+
+    The diff runs, and the sender moves to the new version, when this is called; until every
+    part has been produced the sender will send an anchor next (a stream dropped halfway never
+    reaches a receiver). In a multi-controller trainer every process calls it alike, and the
+    parts of all processes together are the version. Arguments and errors as :meth:`send`.
+
+    Raises:
+      ConfigError: ``chunk_bytes`` is not a positive int.
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> params = {f'w{i}': jnp.zeros(100_000) for i in range(4)}
+    >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+    >>> sender = jsparse.Sender(plan, params)
+    >>> parts = list(sender.send_stream(params, full=True, chunk_bytes=400_000))
+    >>> len(parts), max(len(p) for p in parts) < 420_000, sender.last_stats.payload_bytes
+    (2, True, 800376)
+    """
+    chunk_bytes = int_option("chunk_bytes", chunk_bytes, minimum=1)
+    if chunk_bytes not in self._pieces:  # the same every step
+      self._pieces[chunk_bytes] = stream_pieces(self.plan, self._snapshot, chunk_bytes)
+    pieces, per_process = self._pieces[chunk_bytes]
+    head, (changes, snapshot, full) = self._step(params, full, version,
+                                                 lambda *stage: stage)
+    self._needs_anchor = True  # until the last part is out
+    head = dataclasses.replace(head, parts=per_process * jax.process_count())
+    first = jax.process_index() * per_process
+
+    def encode(k: int, piece: tuple) -> bytes:
+      records = part_records(self.plan, self.coding, piece, changes, snapshot, full)
+      return encode_part(self.plan, dataclasses.replace(head, part=first + k), piece, records,
+                         threads=1)  # the pool codes parts side by side
+
+    def done(total: int) -> None:
+      self._needs_anchor = False
+      self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=total)
+
+    numbers = range(first, first + per_process)
+    return PartStream(numbers, head.parts, produce(pieces, encode, done))
 
   @property
   def _units(self) -> tuple:

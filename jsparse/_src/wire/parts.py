@@ -95,8 +95,9 @@ class PartIndex:
 
 
 def encode_part(plan: Plan, header: PartHeader, units: Sequence[Unit],
-                records: Sequence[SegmentPayload]) -> bytes:
-  """The bytes of one part: ``records[i]`` is unit ``units[i]``'s record in its index space."""
+                records: Sequence[SegmentPayload], threads: int | None = None) -> bytes:
+  """The bytes of one part: ``records[i]`` is unit ``units[i]``'s record in its index space
+  (units coded on ``threads`` threads, default ``JSPARSE_THREADS``)."""
   body_codec = _BODIES[header.format]
 
   def body_of(unit_record: tuple) -> bytes:
@@ -105,7 +106,7 @@ def encode_part(plan: Plan, header: PartHeader, units: Sequence[Unit],
       return b""
     return body_codec.encode_body(unit_slots(plan, unit), [record])
 
-  bodies = parallel_map(body_of, zip(units, records))  # zstd and NumPy release the GIL
+  bodies = parallel_map(body_of, zip(units, records), threads)  # zstd, NumPy release the GIL
   table = []
   for unit, record, body in zip(units, records, bodies):
     mode = record.mode if record.mode == Mode.DENSE or record.count else Mode.EMPTY

@@ -1,0 +1,93 @@
+"""A version as a stream of parts: which units each part carries, and producing the parts one
+by one, coded ahead on a thread pool.
+
+Every trainer process cuts the units it sends (``core/units.py``) into *pieces* of at most
+``chunk_bytes`` of rollout data (a unit larger than that is a piece alone), in the order the
+device programs run (``core/chunks.py``), so a piece is coded as soon as its chunks are
+diffed. All processes make the same number of parts (the most pieces any process has; a
+process with fewer sends empty parts), so part ``process * pieces + k`` is known everywhere
+without communication. Each part is a self-contained, checksummed part of the version
+(``wire/parts.py``): a receiver checks and decodes it on arrival and applies the version when
+all have arrived.
+
+>>> import jax.numpy as jnp, jsparse
+>>> params = {'a': jnp.zeros(70000), 'b': jnp.zeros(70000), 'c': jnp.zeros(10)}
+>>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+>>> mine, per_process = stream_pieces(plan, jax.tree.leaves(plan.cast(params)), 150_000)
+>>> [[u.segment for u in piece] for piece in mine], per_process
+([[0], [1, 2]], 2)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+import jax
+
+from jsparse._src.core.chunks import chunks_of
+from jsparse._src.core.plan import Plan
+from jsparse._src.core.units import Unit, owned_units, unit_slot
+from jsparse._src.threads import ordered_map
+
+Piece = tuple[Unit, ...]
+
+
+def _pieces(plan: Plan, units: Sequence[Unit], chunk_bytes: int) -> list[Piece]:
+  order = {s: k for k, c in enumerate(chunks_of(plan)) for s in c.segment_ids}
+  pieces: list[list[Unit]] = []
+  filled = chunk_bytes
+  for unit in sorted(units, key=lambda u: (order[u.segment], u.segment)):
+    slot = unit_slot(plan, unit)
+    size = slot.size * slot.dtype.itemsize
+    if filled + size > chunk_bytes:
+      pieces.append([])
+      filled = 0
+    pieces[-1].append(unit)
+    filled += size
+  return [tuple(p) for p in pieces]
+
+
+def stream_pieces(plan: Plan, snapshot: Sequence[jax.Array], chunk_bytes: int
+                  ) -> tuple[list[Piece], int]:
+  """This process's pieces (padded with empty ones to the common count) and the number of
+  pieces every process sends."""
+  per_process = [_pieces(plan, owned_units(plan, snapshot, p), chunk_bytes)
+                 for p in range(jax.process_count())]
+  count = max(1, max(len(p) for p in per_process))
+  mine = per_process[jax.process_index()]
+  return mine + [()] * (count - len(mine)), count
+
+
+class PartStream:
+  """This process's parts of one version, produced as they are iterated (from
+  :meth:`~jsparse.Sender.send_stream`).
+
+  Attributes:
+    parts: how many parts the version has (all processes together).
+    numbers: the numbers of this process's parts, in the order they are produced.
+  """
+
+  def __init__(self, numbers: range, parts: int, produced: Iterator[bytes]):
+    self.numbers, self.parts = numbers, parts
+    self._produced = produced
+
+  def __iter__(self) -> "PartStream":
+    return self
+
+  def __next__(self) -> bytes:
+    return next(self._produced)
+
+  def close(self) -> None:
+    """Stops producing (the sender then sends an anchor next)."""
+    self._produced.close()
+
+
+def produce(pieces: Sequence[Piece], encode: Callable[[int, Piece], bytes],
+            done: Callable[[int], None]) -> Iterator[bytes]:
+  """Yields ``encode(k, piece)`` for every piece, in order, coded ahead on the thread pool;
+  calls ``done(total bytes)`` after the last."""
+  total = 0
+  for data in ordered_map(lambda item: encode(*item), list(enumerate(pieces))):
+    total += len(data)
+    yield data
+  done(total)
