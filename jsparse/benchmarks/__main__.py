@@ -5,7 +5,10 @@ AdamW steps at lr 1e-6 on fp32 masters, bf16 rollout; the method table is for th
 density is closest to 1%) it prints: payload bytes, encode and apply times and
 compiled memory of the sync (``--only sync``), and the disk bytes and save times of full Orbax
 checkpoints against a delta chain (``--only storage``), and the end-to-end sync time per step
-over a simulated 1 and 10 Gbit/s link, sparse against dense (``--only link``).
+over a simulated 1 and 10 Gbit/s link, sparse against dense (``--only link``); set-up time
+against the number of leaves, time per parameter and peak memory from 25M to 1B parameters, and
+an estimate for 7B and 70B models from this run's rates (``--only scale``; the estimate needs
+the sync part's rates, so ``--only scale`` runs that too).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Sequence
 import jax.numpy as jnp
 
 import jsparse
-from jsparse.benchmarks import link, storage, sync
+from jsparse.benchmarks import link, scale, storage, sync
 from jsparse.examples import workload
 
 
@@ -31,20 +34,41 @@ def run(argv: Sequence[str] | None = None) -> dict:
                       help="AdamW steps at lr 3e-3 before the RL-like ones")
   parser.add_argument("--lr", type=float, default=1e-6, help="the RL-like AdamW learning rate")
   parser.add_argument("--repeats", type=int, default=5, help="timing repeats (best is kept)")
-  parser.add_argument("--only", choices=["sync", "storage", "link"], help="run one part only")
+  parser.add_argument("--only", choices=["sync", "storage", "link", "scale"],
+                      help="run one part only")
+  parser.add_argument("--leaf-counts", type=int, nargs="+", default=[100, 1000, 10000],
+                      help="leaf counts of the set-up time table")
+  parser.add_argument("--scale-params", type=int, nargs="+",
+                      default=[25_000_000, 100_000_000, 250_000_000, 1_000_000_000],
+                      help="model sizes of the scaling table")
   args = parser.parse_args(argv)
   cfg = workload.benchmark_config(args.dim, args.depth, args.vocab, args.pretrain_steps, args.lr)
   states = workload.realistic_run(cfg, args.steps)
   plan = jsparse.make_plan(states[0], rollout_dtype=jnp.bfloat16, capacity=0.05)
   results = {}
-  if args.only in (None, "sync"):
+  if args.only in (None, "sync", "scale"):
     results["sync"] = sync.run(plan, states, repeats=args.repeats)
   if args.only in (None, "link"):
     results["link"] = link.link_times(plan, states)
     link.print_link_times(results["link"])
+    results["stream"] = link.stream_times(plan, states)
+    link.print_stream_times(results["stream"])
   if args.only in (None, "storage"):
     results["storage"] = storage.compare_storage(plan, states)
     storage.print_storage(plan, results["storage"])
+  if args.only in (None, "scale"):
+    compact, core = results["sync"]["methods"][sync.METHODS[4]], results["sync"]["core"]
+    changed = results["sync"]["steps"][results["sync"]["step"] - 1]["changed"]
+    ratio = compact["diff"] / core["compare-and-count (floor)"][0]
+    results["estimate"] = scale.estimate(compact, changed, ratio)
+    scale.print_estimate(results["estimate"])
+    step = results["sync"]["step"]
+    results["coding"] = scale.coding_rates(plan, states[step - 1], states[step])
+    scale.print_coding_rates(results["coding"])
+    results["compile"] = scale.compile_times(args.leaf_counts)
+    scale.print_compile_times(results["compile"])
+    results["scaling"] = scale.scaling(args.scale_params)
+    scale.print_scaling(results["scaling"])
   return results
 
 

@@ -9,11 +9,19 @@ the link's bandwidth (``engine/link.py``, real sleeps). Sparse (a delta per step
 >>> rows = link_times(plan, states, rates_gbit=(1.0,))
 >>> sorted(rows[1.0]), rows[1.0]['dense']['bytes'] > rows[1.0]['sparse']['bytes']
 (['dense', 'sparse'], True)
+>>> sorted(stream_times(plan, states, rates_gbit=(1.0,), chunk_bytes=8192)[1.0])
+['anchor one-shot', 'anchor streamed', 'delta one-shot', 'delta streamed']
+
+:func:`stream_times` compares a version sent whole (one part: encode all, send all, decode and
+apply all) with the same version streamed (``Sender.send_stream``: each part crosses the link
+while the next is coded, and the receiver decodes each on arrival).
 """
 
 from __future__ import annotations
 
+import queue
 import tempfile
+import threading
 import time
 from typing import Sequence
 
@@ -21,7 +29,7 @@ import jax
 
 import jsparse
 from jsparse._src.engine.feed import DirectoryFeed, Entry
-from jsparse._src.engine.link import ThrottledFeed
+from jsparse._src.engine.link import ThrottledFeed, TokenBucket
 from jsparse._src.engine.subscriber import Subscriber
 
 
@@ -65,3 +73,65 @@ def print_link_times(rows: dict) -> None:
       print(f"{rate:>6g} Gb/s {name:>7} {row['bytes']:>12,.0f} {row['seconds'] * 1e3:>9.1f}")
     ratio = methods["dense"]["seconds"] / methods["sparse"]["seconds"]
     print(f"{'':>10} sparse is {ratio:.1f}x faster end to end")
+
+
+def _streamed(sender, receiver, state, bucket: TokenBucket, full: bool, chunk_bytes: int):
+  """The trainer thread codes parts and pushes each through the link; the rollout adds each as
+  it arrives, then commits."""
+  arrived: queue.Queue = queue.Queue()
+
+  def trainer():
+    try:
+      for part in sender.send_stream(state, full=full, chunk_bytes=chunk_bytes):
+        bucket.transmit(len(part))
+        arrived.put(part)
+    finally:
+      arrived.put(None)
+
+  thread = threading.Thread(target=trainer)
+  thread.start()
+  stream = receiver.open_stream()
+  while (part := arrived.get()) is not None:
+    stream.add(part)
+  thread.join()
+  return stream.commit()
+
+
+def _one_shot(sender, receiver, state, bucket: TokenBucket, full: bool):
+  data = sender.send_part(state, full=full)
+  bucket.transmit(len(data))
+  return receiver.receive_parts([data])
+
+
+def stream_times(plan, states: Sequence, rates_gbit: Sequence[float] = (1.0, 10.0),
+                 chunk_bytes: int = 4 << 20) -> dict:
+  """Per link rate, mean seconds per version (after a first, compiling one) from the trainer's
+  params to the rollout's applied params, for deltas and anchors, sent whole or streamed."""
+  rows: dict = {}
+  for rate in rates_gbit:
+    rows[rate] = {}
+    for kind, full in (("delta", False), ("anchor", True)):
+      for mode in ("one-shot", "streamed"):
+        sender = jsparse.Sender(plan, states[0])
+        receiver = jsparse.Receiver(plan, plan.cast(states[0]))
+        bucket = TokenBucket(rate * 1e9)
+        times = []
+        for state in states[1:]:
+          start = time.perf_counter()
+          if mode == "streamed":
+            out = _streamed(sender, receiver, state, bucket, full, chunk_bytes)
+          else:
+            out = _one_shot(sender, receiver, state, bucket, full)
+          jax.block_until_ready(jax.tree.leaves(out))
+          times.append(time.perf_counter() - start)
+        assert receiver.digest == sender.digest
+        rows[rate][f"{kind} {mode}"] = sum(times[1:]) / max(1, len(times) - 1)
+  return rows
+
+
+def print_stream_times(rows: dict, chunk_bytes: int = 4 << 20) -> None:
+  print(f"a version sent whole against streamed in parts of {chunk_bytes / 2**20:g} MiB of "
+        "rollout data (ms per version, mean)")
+  for rate, methods in rows.items():
+    line = "  ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in methods.items())
+    print(f"{rate:>6g} Gb/s  {line}")

@@ -73,7 +73,7 @@ def _timed(fn):
   return out, time.perf_counter() - start
 
 
-def compile_times(leaf_counts: Sequence[int], width: int = 128) -> dict:
+def compile_times(leaf_counts: Sequence[int], width: int = 256) -> dict:
   """Per leaf count: seconds of each set-up step (compilations included), see the module
   docstring."""
   rows = {}
@@ -154,3 +154,98 @@ def print_scaling(rows: list) -> None:
           f"{r['send'] * 1e3:>8.1f} {r['receive'] * 1e3:>8.1f} {per:>8.2f} "
           f"{r['peak_rss'] / 1e9:>11.2f} {r['held'] / 1e9:>8.2f} "
           f"{r['peak_rss'] / r['held']:>8.2f}")
+
+
+# The accelerator assumption of the estimate: HBM bandwidth an XLA streaming pass reaches (an
+# H100 has 3.35 TB/s peak, a TPU v5p 2.76 TB/s; 2 TB/s is a sustained figure).
+HBM_BYTES_PER_S = 2e12
+HOST_THREADS = 8
+
+
+def estimate(compact: dict, changed: int, device_ratio: float, density: float = 0.01,
+             models: Sequence[int] = (7_000_000_000, 70_000_000_000),
+             links_gbit: Sequence[float] = (10.0, 100.0)) -> list:
+  """Sync seconds per step for large models, sparse against dense, from this run's measured
+  rates (``compact``: the format-2 row of the sync benchmark, whose step had ``changed``
+  changes) and :data:`HBM_BYTES_PER_S`.
+
+  Sparse: the device passes (diff on the trainer: fp32 read, bf16 read and write, 8 B per
+  parameter; apply on the rollout: class tables and digest, 4 B per parameter), each times
+  ``device_ratio`` (this run's send device part over compare-and-count), then host encode and
+  decode at the measured changes per second on one core and on :data:`HOST_THREADS` cores
+  (linear: an upper bound), then the payload over the link at the measured bytes per change.
+  Dense: the bf16 cast (6 B per parameter) and 2 B per parameter over the link.
+  """
+  per_change = {"encode": compact["host_encode"] / changed,
+                "decode": compact["host_decode"] / changed, "bytes": compact["bytes"] / changed}
+  rows = []
+  for params in models:
+    changes = density * params
+    device = 12 * params / HBM_BYTES_PER_S * device_ratio
+    host = changes * (per_change["encode"] + per_change["decode"])
+    for gbit in links_gbit:
+      wire = changes * per_change["bytes"] * 8 / (gbit * 1e9)
+      dense = 6 * params / HBM_BYTES_PER_S + 2 * params * 8 / (gbit * 1e9)
+      rows.append({"params": params, "link_gbit": gbit, "payload_bytes": changes
+                   * per_change["bytes"], "sparse_1": device + host + wire,
+                   "sparse_n": device + host / HOST_THREADS + wire, "dense": dense})
+  return rows
+
+
+def print_estimate(rows: list) -> None:
+  print(f"estimate at 1% density (assumed {HBM_BYTES_PER_S / 1e12:g} TB/s HBM; host coding "
+        f"at this run's rates on 1 core and on {HOST_THREADS} (linear, an upper bound))")
+  print(f"{'params':>6} {'link':>9} {'payload MB':>10} {'sparse 1 core s':>15} "
+        f"{f'sparse {HOST_THREADS} cores s':>16} {'dense s':>8} {'dense/sparse':>12}")
+  for r in rows:
+    print(f"{r['params'] / 1e9:>5g}B {r['link_gbit']:>5g} Gb/s {r['payload_bytes'] / 1e6:>10.1f} "
+          f"{r['sparse_1']:>15.2f} {r['sparse_n']:>16.2f} {r['dense']:>8.2f} "
+          f"{r['dense'] / r['sparse_n']:>11.1f}x")
+
+
+def coding_rates(plan: jsparse.Plan, before, after, chunk_bytes: int = 1 << 20,
+                 threads: Sequence[int] = (1, 2), repeats: int = 3) -> dict:
+  """Host coding of one streamed version on 1, 2, ... threads (``JSPARSE_THREADS``): changes
+  per second to encode its parts (from the device diff's outputs, copies to the host
+  included) and to decode them (checks included), best of ``repeats``."""
+  import os
+  from jsparse._src.sync.parts import PartsReader
+  rows = {}
+  saved = os.environ.get("JSPARSE_THREADS")
+  try:
+    for n in threads:
+      os.environ["JSPARSE_THREADS"] = str(n)
+      encode, decode = float("inf"), float("inf")
+      for _ in range(repeats):
+        sender = jsparse.Sender(plan, before)
+        receiver = jsparse.Receiver(plan, plan.cast(before))
+        stream = sender.send_stream(after, chunk_bytes=chunk_bytes)  # the device diff runs
+        jax.block_until_ready(sender._snapshot)
+        start = time.perf_counter()
+        parts = list(stream)
+        encode = min(encode, time.perf_counter() - start)
+        reader = PartsReader(plan, receiver._flat)
+        start = time.perf_counter()
+        for part in parts:
+          reader.add(part)
+        reader.finish()
+        decode = min(decode, time.perf_counter() - start)
+      changed = sender.last_stats.changed
+      rows[n] = {"parts": len(parts), "changed": changed, "encode": changed / encode,
+                 "decode": changed / decode}
+  finally:
+    if saved is None:
+      os.environ.pop("JSPARSE_THREADS", None)
+    else:
+      os.environ["JSPARSE_THREADS"] = saved
+  return rows
+
+
+def print_coding_rates(rows: dict) -> None:
+  first = rows[min(rows)]
+  print(f"host coding of a streamed version ({first['parts']} parts, {first['changed']:,} "
+        "changes), changes per second")
+  for n, r in rows.items():
+    print(f"  {n} thread(s): encode {r['encode'] / 1e6:.1f} M/s "
+          f"({r['encode'] / first['encode']:.2f}x), decode {r['decode'] / 1e6:.1f} M/s "
+          f"({r['decode'] / first['decode']:.2f}x)")

@@ -35,6 +35,7 @@ import zstandard
 
 import jsparse
 from jsparse._src.core import bits as bits_lib
+from jsparse._src.core.chunks import chunks_of
 from jsparse._src.core.delta import apply_program, diff_program
 from jsparse._src.core.placement import layouts_of
 from jsparse._src.sync import programs
@@ -201,14 +202,26 @@ def _jsparse(plan, before, after, repeats, coding):
   layouts = layouts_of(plan, jax.tree.leaves(snapshot))
   device_apply = lambda f: programs.apply_inputs(plan, layouts, f, inputs, donate=True)
   row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
-  indices = inputs.keys
-  if inputs.coded:
-    indices = programs.positions_program(plan, layouts, inputs.ranked,
-                                         jax.tree.leaves(snapshot), inputs.keys, inputs.counts)
-  row["temp"] = (_temp(programs.diff_program, plan, coding.ranked, *fresh_snapshot())
-                 + _temp(programs.apply_program(True), plan, layouts, inputs.coded,
-                         jax.tree.leaves(snapshot), indices, inputs.values))
+  row["temp"] = _chunk_temps(plan, coding, layouts, jax.tree.leaves(snapshot), flat, inputs)
   return row
+
+
+def _chunk_temps(plan, coding, layouts, snapshot: list, new: list, inputs) -> int:
+  """Compiled temporary bytes of the sender's diff plus the receiver's apply, for the largest
+  chunk (the programs run chunk by chunk)."""
+  temps = []
+  for c in chunks_of(plan):
+    chunk_layouts, old = tuple(c.leaves(layouts)), c.leaves(snapshot)
+    keys = c.segments(inputs.keys)
+    indices = keys
+    if inputs.coded:
+      indices = programs.positions_program(c.plan, chunk_layouts, c.segments(inputs.ranked), old,
+                                           keys, inputs.counts[list(c.segment_ids)])
+    temps.append(_temp(programs.diff_program, c.plan, coding.ranked, old, c.leaves(new),
+                       c.leaf_id_array)
+                 + _temp(programs.apply_program(True), c.plan, chunk_layouts, inputs.coded, old,
+                         indices, c.segments(inputs.values), c.leaf_id_array))
+  return max(temps, default=0)
 
 
 def compare_methods(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 5) -> dict:
@@ -305,4 +318,16 @@ def run(plan: jsparse.Plan, states: list, repeats: int = 5) -> dict:
   rows = compare_methods(plan, states[step - 1], states[step], repeats)
   print_report(plan, steps, rows, step)
   core = core_budgets(plan, states[step - 1], states[step], repeats)
+  print_device_ratios(rows[METHODS[4]], core)
   return {"steps": steps, "step": step, "methods": rows, "core": core}
+
+
+def print_device_ratios(compact: dict, core: dict) -> None:
+  """The sync's device passes against their floors, measured in this run: the sender's device
+  stage (diff, next snapshot, digest, ranks) against a jitted compare-and-count of the same
+  trees, the receiver's (positions, apply, digest) against a jitted dense cast and copy."""
+  floor, dense = core["compare-and-count (floor)"][0], core["dense bf16 copy"][0]
+  print(f"device passes (format 2): send {1e3 * compact['diff']:.1f} ms = "
+        f"{compact['diff'] / floor:.2f}x compare-and-count; receive "
+        f"{1e3 * compact['device_apply']:.1f} ms = {compact['device_apply'] / dense:.2f}x a dense "
+        "cast and copy")
