@@ -19,9 +19,10 @@ from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.plan import LeafSpec, Plan, Segment, make_plan
 from jsparse._src.errors import (CheckpointError, ConfigError, IntegrityError, JsparseError,
                                  PayloadError, PlanError, PlanMismatchError, VersionError)
-from jsparse._src.sync.receiver import Receiver
+from jsparse._src.sync.receiver import ReceiveStream, Receiver
 from jsparse._src.sync.sender import SendStats, Sender
 from jsparse._src.sync.state import SyncState, abstract_sync_state
+from jsparse._src.sync.stream import PartStream
 from jsparse._src.wire.payload import Coding
 
 __version__ = "0.1.0"
@@ -38,7 +39,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CheckpointError", "Coding", "ConfigError", "Delta", "DeltaCheckpointManager",
-    "IntegrityError", "JsparseError", "LeafSpec", "PayloadError", "Plan", "PlanError",
-    "PlanMismatchError", "Receiver", "SaveInfo", "Segment", "SendStats", "Sender", "SyncState",
+    "IntegrityError", "JsparseError", "LeafSpec", "PartStream", "PayloadError", "Plan",
+    "PlanError", "PlanMismatchError", "ReceiveStream", "Receiver", "SaveInfo", "Segment",
+    "SendStats", "Sender", "SyncState",
     "VersionError", "abstract_sync_state", "apply", "bits_digest", "diff", "make_plan",
 ]

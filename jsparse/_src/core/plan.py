@@ -7,9 +7,10 @@ each segment's static capacity. A :class:`~jsparse.Delta` has shapes that depend
 so ``diff`` and ``apply`` compile once per plan.
 
 Segments: a leaf of at least ``bucket_size`` elements is a segment of its own; smaller leaves are
-pooled, in tree order, into shared segments of at most ``bucket_size`` elements and
-:data:`MAX_POOL_LEAVES` leaves (grouped by rollout dtype), so a model with hundreds of small
-biases and norms costs a few segments, not hundreds.
+pooled into shared segments of at most ``bucket_size`` elements and :data:`MAX_POOL_LEAVES`
+leaves, one rollout dtype each: leaves of one shape first fill pools of their own (the norms of
+every layer), the rest share pools in tree order. A model with hundreds of small biases and
+norms costs a few segments, not hundreds, and its pools repeat.
 A leaf that the trainer shards into blocks (a ``NamedSharding``) is a segment of its own with a
 capacity per block, and is diffed block by block on the devices that hold it.
 
@@ -351,7 +352,6 @@ def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity
   _capacity(capacity, 1, "capacity")  # validate even when no leaf uses it
   _capacity(pooled_capacity, 1, "pooled_capacity")
   segments: list[Segment] = []
-  open_pools: dict[np.dtype, list[int]] = {}
 
   def close(pool: list[int], dtype: np.dtype) -> None:
     offsets = tuple(np.cumsum([0] + [leaves[i].size for i in pool[:-1]]).tolist())
@@ -361,6 +361,9 @@ def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity
     segments.append(Segment(tuple(pool), offsets, size, _capacity(cap, size, "capacity"), dtype,
                             ordered=ordered))
 
+  # Small leaves of one shape fill pools of their own (alike pools share compiled programs,
+  # see chunks.py); what is left of each shape is pooled by dtype in tree order.
+  alike: dict[tuple, list[int]] = {}
   for leaf_id, leaf in enumerate(leaves):
     if leaf.size == 0:
       continue
@@ -373,13 +376,21 @@ def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity
     if leaf.size >= bucket_size:
       close([leaf_id], dtype)
       continue
-    pool = open_pools.setdefault(dtype, [])  # one dtype per pool: values are coded by dtype
-    if pool and (sum(leaves[i].size for i in pool) + leaf.size > bucket_size
+    group = alike.setdefault((dtype, leaf.shape), [])
+    group.append(leaf_id)
+    if len(group) == min(MAX_POOL_LEAVES, bucket_size // leaf.size):
+      close(group, dtype)
+      alike[(dtype, leaf.shape)] = []
+  mixed: dict[np.dtype, list[int]] = {}  # one dtype per pool: values are coded by dtype
+  for leaf_id in sorted(i for group in alike.values() for i in group):
+    dtype = leaves[leaf_id].rollout_dtype
+    pool = mixed.setdefault(dtype, [])
+    if pool and (sum(leaves[i].size for i in pool) + leaves[leaf_id].size > bucket_size
                  or len(pool) == MAX_POOL_LEAVES):
       close(pool, dtype)
-      pool = open_pools[dtype] = []
+      pool = mixed[dtype] = []
     pool.append(leaf_id)
-  for dtype, pool in open_pools.items():
+  for dtype, pool in mixed.items():
     if pool:
       close(pool, dtype)
   return tuple(segments)

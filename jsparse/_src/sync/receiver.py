@@ -261,7 +261,17 @@ class ReceiveStream:
   """One version arriving part by part at a :class:`Receiver` (from
   :meth:`Receiver.open_stream`). Parts may come in any order; each is checked (checksums,
   plan, version) and decoded when added, and the version is applied at :meth:`commit`, all
-  or nothing, as :meth:`Receiver.receive_parts` applies it."""
+  or nothing, as :meth:`Receiver.receive_parts` applies it.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)
+  >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(8)})
+  >>> stream = jsparse.Receiver(plan, sender.snapshot).open_stream()
+  >>> [stream.add(part) for part in sender.send_stream({'w': jnp.ones(8)})]
+  [0]
+  >>> float(stream.commit()['w'][0])
+  1.0
+  """
 
   def __init__(self, receiver: Receiver):
     self._receiver = receiver

@@ -65,6 +65,13 @@ class PartStream:
   Attributes:
     parts: how many parts the version has (all processes together).
     numbers: the numbers of this process's parts, in the order they are produced.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> params = {'a': jnp.zeros(70000), 'b': jnp.zeros(70000)}
+  >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  >>> stream = jsparse.Sender(plan, params).send_stream(params, chunk_bytes=150_000)
+  >>> stream.parts, list(stream.numbers), [len(part) for part in stream]
+  (2, [0, 1], [103, 103])
   """
 
   def __init__(self, numbers: range, parts: int, produced: Iterator[bytes]):
