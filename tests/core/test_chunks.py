@@ -31,7 +31,7 @@ def test_chunks_partition_the_segments_and_share_structures(layers):
   assert sorted(s for c in chunks for s in c.segment_ids) == list(range(len(plan.segments)))
   for c in chunks:
     assert c.leaf_ids == tuple(i for s in c.segment_ids for i in plan.segments[s].leaf_ids)
-    assert len(c.segment_ids) <= chunks_lib.MAX_SEGMENTS
+    assert len(c.segment_ids) <= max(chunks_lib.MAX_SEGMENTS, chunks_lib.MAX_MIXED_SEGMENTS)
     assert len(c.leaf_ids) <= chunks_lib.MAX_LEAVES or len(c.segment_ids) == 1
     for s, sub in zip(c.segment_ids, c.plan.segments):  # the same structure, paths aside
       assert (sub.size, sub.capacity, sub.dtype, sub.offsets) == (
@@ -43,6 +43,7 @@ def test_chunks_partition_the_segments_and_share_structures(layers):
   # 50 layers: 100 matrices of two shapes by 4, pools of norms and steps: a handful of programs
   distinct = {c.plan for c in chunks}
   assert len(distinct) <= 8, len(distinct)
+  assert len(chunks) <= -(-len(plan.segments) // 4) + len(distinct)
 
 
 def test_the_digest_of_a_tree_is_the_sum_of_its_chunks_digests():
@@ -64,7 +65,7 @@ def test_the_digest_of_a_tree_is_the_sum_of_its_chunks_digests():
 
 def test_a_many_leaf_tree_syncs_exactly_through_shared_programs():
   rng = np.random.default_rng(2)
-  params = _layers(40, rng)
+  params = _layers(12, rng)
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, bucket_size=4096, capacity=0.02)
   sender = jsparse.Sender(plan, params)
   receiver = jsparse.Receiver(plan, plan.cast(params))
@@ -73,3 +74,12 @@ def test_a_many_leaf_tree_syncs_exactly_through_shared_programs():
                           params)
     assert_trees_bitwise_equal(receiver.receive(sender.send(params)), plan.cast(params))
   assert receiver.digest == sender.digest
+
+
+def test_unlike_leaves_share_mixed_chunks():
+  """Leaves whose structure occurs once gain nothing from programs of their own: they run
+  together, a few per chunk."""
+  tree = {f"w{i}": jnp.zeros((100 + i, 10)) for i in range(12)}
+  plan = jsparse.make_plan(tree, bucket_size=500)
+  assert len(plan.segments) == 12
+  assert [len(c.segment_ids) for c in chunks_of(plan)] == [chunks_lib.MAX_MIXED_SEGMENTS, 4]

@@ -37,7 +37,7 @@ def _tree(rng, dtype=np.float32):
           "n": strategies.random_bits(rng, (7,), dtype)}
 
 
-@settings(max_examples=40)
+@settings(max_examples=30)
 @given(strategies.trees_and_updates(), st.sampled_from([0.01, 0.3, 1.0]),
        st.sampled_from([0.01, 1.0]), st.sampled_from([1, 512]),
        st.sampled_from(list(jsparse.Coding)))
@@ -158,7 +158,7 @@ def test_receiver_refuses_params_that_do_not_match_the_plan():
     jsparse.Receiver(plan, {"w": jnp.zeros(4)})
 
 
-@pytest.mark.parametrize("coding", list(jsparse.Coding))
+@pytest.mark.parametrize("coding", ["ranked", "lists"])  # positioned: ranked minus ranks
 def test_compilations_follow_the_distinct_chunks_not_the_leaves_or_the_density(coding):
   """One compilation per program and chunk structure: twelve layers of the same shapes compile
   as one layer does; the per-change programs take slots sized to each step's changes, at most 4

@@ -37,6 +37,9 @@ from jsparse._src.core.plan import LeafSpec, Plan, Segment
 # are each an input and an output of its programs: a pool of many leaves is a chunk alone.
 MAX_SEGMENTS = 4
 MAX_LEAVES = 32
+# Segments whose structure occurs once share no compilation: they run together in mixed chunks
+# of up to this many, so a tree of unlike leaves compiles a few programs, not one per leaf.
+MAX_MIXED_SEGMENTS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,15 +93,25 @@ def _sub_plan(plan: Plan, segment_ids: Sequence[int]) -> Plan:
 @functools.lru_cache(maxsize=64)
 def chunks_of(plan: Plan) -> tuple[Chunk, ...]:
   """The plan's segments as chunks: segments of one structure, taken in plan order, by up to
-  :data:`MAX_SEGMENTS` (and :data:`MAX_LEAVES` leaves, at least one segment); chunks ordered
-  by their first segment."""
+  :data:`MAX_SEGMENTS` (and :data:`MAX_LEAVES` leaves, at least one segment); segments of a
+  structure that occurs once, in plan order, by up to :data:`MAX_MIXED_SEGMENTS` (and
+  :data:`MAX_LEAVES` leaves); chunks ordered by their first segment."""
   by_structure: dict[tuple, list[int]] = {}
   for s, seg in enumerate(plan.segments):
     by_structure.setdefault(_structure(plan, seg), []).append(s)
-  runs = []
+  runs, mixed, leaves = [], [[]], 0
   for ids in by_structure.values():
-    per_chunk = max(1, min(MAX_SEGMENTS, MAX_LEAVES // len(plan.segments[ids[0]].leaf_ids)))
-    runs += [ids[i:i + per_chunk] for i in range(0, len(ids), per_chunk)]
+    if len(ids) > 1:
+      per_chunk = max(1, min(MAX_SEGMENTS, MAX_LEAVES // len(plan.segments[ids[0]].leaf_ids)))
+      runs += [ids[i:i + per_chunk] for i in range(0, len(ids), per_chunk)]
+  for s in sorted(ids[0] for ids in by_structure.values() if len(ids) == 1):
+    n = len(plan.segments[s].leaf_ids)
+    if mixed[-1] and (len(mixed[-1]) == MAX_MIXED_SEGMENTS or leaves + n > MAX_LEAVES):
+      mixed.append([])
+      leaves = 0
+    mixed[-1].append(s)
+    leaves += n
+  runs += [run for run in mixed if run]
   return tuple(Chunk(tuple(ids), tuple(i for s in ids for i in plan.segments[s].leaf_ids),
                      _sub_plan(plan, ids))
                for ids in sorted(runs))
