@@ -8,8 +8,7 @@ An update is one step of sign-like AdamW updates at lr 1e-6, as RL post-training
 (~1% of the bf16 elements change).
 
 - :func:`compile_times`: ``Sender()``, the first ``send``, ``Receiver()`` and the first
-  ``receive`` of a fresh process's worth of compilations (``jax.clear_caches()`` before each
-  size), against a plain jitted per-leaf op over the same tree (the bf16 cast a dense sync does).
+  ``receive`` in a fresh process per leaf count (every compilation included), against a plain jitted per-leaf op over the same tree (the bf16 cast a dense sync does).
 - :func:`scaling`: per model size, in a fresh process each, the steady ``send`` and ``receive``
   times per parameter and the process's peak resident memory against the bytes it must hold
   (fp32 params, the sender's bf16 snapshot, the receiver's bf16 params).
@@ -53,6 +52,19 @@ def layered_tree(leaves: int, width: int, seed: int = 0) -> dict:
   return tree
 
 
+def host_step(params: dict, seed: int) -> dict:
+  """:func:`rl_like_step` on the host (numpy; nothing to compile, whatever the leaf count)."""
+  leaves, treedef = jax.tree.flatten(params)
+  out = []
+  for i, x in enumerate(leaves):
+    x = np.asarray(x)
+    h = (np.arange(x.size, dtype=np.uint32) * np.uint32(0x9E3779B1)) ^ np.uint32(
+        (seed + i * 0x85EBCA77) & 0xFFFFFFFF)
+    sign = np.where(((h * np.uint32(0xC2B2AE3D)) >> 15) & 1, 1.0, -1.0).astype(x.dtype)
+    out.append(x - np.float32(1e-6) * sign.reshape(x.shape))
+  return jax.tree.unflatten(treedef, out)
+
+
 @jax.jit
 def rl_like_step(params, seed):
   """One sign-like AdamW step at lr 1e-6 on every leaf: the sign of each element's update is a
@@ -73,26 +85,31 @@ def _timed(fn):
   return out, time.perf_counter() - start
 
 
-def compile_times(leaf_counts: Sequence[int], width: int = 256) -> dict:
-  """Per leaf count: seconds of each set-up step (compilations included), see the module
-  docstring."""
-  rows = {}
-  for n in leaf_counts:
-    before = layered_tree(n, width)
-    after = rl_like_step(before, n)
-    jax.block_until_ready(after)
-    jax.clear_caches()
-    plan = jsparse.make_plan(before, rollout_dtype=jnp.bfloat16)
-    row = {}
-    _, row["plain jit"] = _timed(lambda: jax.jit(plan.cast)(before))
-    rollout = plan.cast(before)
-    jax.block_until_ready(rollout)
-    sender, row["sender"] = _timed(lambda: jsparse.Sender(plan, before))
-    data, row["first send"] = _timed(lambda: sender.send(after))
-    receiver, row["receiver"] = _timed(lambda: jsparse.Receiver(plan, rollout))
-    _, row["first receive"] = _timed(lambda: receiver.receive(data))
-    rows[n] = row
-  return rows
+def _compile_point(n: int, width: int) -> dict:
+  """One leaf count, in this process: see :func:`compile_times`."""
+  before = layered_tree(n, width)
+  after = jax.tree.map(jnp.asarray, host_step(before, n))
+  plan = jsparse.make_plan(before, rollout_dtype=jnp.bfloat16)
+  row = {}
+  _, row["plain jit"] = _timed(lambda: jax.jit(plan.cast)(before))
+  rollout = jax.block_until_ready(plan.cast(before))
+  sender, row["sender"] = _timed(lambda: jsparse.Sender(plan, before))
+  data, row["first send"] = _timed(lambda: sender.send(after))
+  receiver, row["receiver"] = _timed(lambda: jsparse.Receiver(plan, rollout))
+  _, row["first receive"] = _timed(lambda: receiver.receive(data))
+  return row
+
+
+def compile_times(leaf_counts: Sequence[int], width: int = 128) -> dict:
+  """Per leaf count, in a fresh process each (no compilation cached): seconds of each set-up
+  step, compilations included, see the module docstring."""
+  return {n: _in_subprocess(f"_compile_point({int(n)}, {int(width)})") for n in leaf_counts}
+
+
+def _in_subprocess(call: str) -> dict:
+  code = f"import json; from jsparse.benchmarks import scale; print(json.dumps(scale.{call}))"
+  out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def print_compile_times(rows: dict) -> None:
@@ -133,14 +150,8 @@ def scaling(params_targets: Sequence[int] = (25_000_000, 100_000_000, 250_000_00
                                                1_000_000_000), width: int = 1024) -> list:
   """Per target size (layers of ``width``), a fresh process's steady send and receive times and
   peak memory (:func:`_scaling_point`)."""
-  rows = []
-  for target in params_targets:
-    code = (f"import json; from jsparse.benchmarks import scale; "
-            f"print(json.dumps(scale._scaling_point({int(target)}, {int(width)})))")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True)
-    rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-  return rows
+  return [_in_subprocess(f"_scaling_point({int(target)}, {int(width)})")
+          for target in params_targets]
 
 
 def print_scaling(rows: list) -> None:
