@@ -20,6 +20,7 @@ An update is one step of sign-like AdamW updates at lr 1e-6, as RL post-training
 
 from __future__ import annotations
 
+import functools
 import json
 import resource
 import subprocess
@@ -52,30 +53,20 @@ def layered_tree(leaves: int, width: int, seed: int = 0) -> dict:
   return tree
 
 
-def host_step(params: dict, seed: int) -> dict:
-  """:func:`rl_like_step` on the host (numpy; nothing to compile, whatever the leaf count)."""
-  leaves, treedef = jax.tree.flatten(params)
-  out = []
-  for i, x in enumerate(leaves):
-    x = np.asarray(x)
-    h = (np.arange(x.size, dtype=np.uint32) * np.uint32(0x9E3779B1)) ^ np.uint32(
-        (seed + i * 0x85EBCA77) & 0xFFFFFFFF)
-    sign = np.where(((h * np.uint32(0xC2B2AE3D)) >> 15) & 1, 1.0, -1.0).astype(x.dtype)
-    out.append(x - np.float32(1e-6) * sign.reshape(x.shape))
-  return jax.tree.unflatten(treedef, out)
-
-
-@jax.jit
-def rl_like_step(params, seed):
+def rl_like_update(params, seed: int, xp=np):
   """One sign-like AdamW step at lr 1e-6 on every leaf: the sign of each element's update is a
-  hash of its position, the leaf and ``seed`` (elementwise: compiles fast for any leaf count)."""
+  hash of its position, the leaf and ``seed``. ``xp``: ``numpy`` on the host (nothing to
+  compile, whatever the leaf count) or ``jax.numpy`` under ``jit`` (``seed`` static); the two
+  give the same bits."""
   leaves, treedef = jax.tree.flatten(params)
   out = []
   for i, x in enumerate(leaves):
-    h = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * jnp.uint32(0x9E3779B1)
-    h = (h ^ (jnp.asarray(seed, jnp.uint32) + jnp.uint32((i * 0x85EBCA77) & 0xFFFFFFFF))) * jnp.uint32(0xC2B2AE3D)
-    sign = jnp.where((h >> 15) & 1 == 1, 1.0, -1.0).astype(x.dtype)
-    out.append(x - 1e-6 * sign)
+    x = xp.asarray(x)
+    key = xp.uint32((seed + i * 0x85EBCA77) & 0xFFFFFFFF)
+    h = ((xp.arange(x.size, dtype=xp.uint32) * xp.uint32(0x9E3779B1)) ^ key) * xp.uint32(
+        0xC2B2AE3D)
+    sign = xp.where((h >> 15) & 1 == 1, 1.0, -1.0).astype(x.dtype)
+    out.append(x - xp.float32(1e-6) * sign.reshape(x.shape))
   return jax.tree.unflatten(treedef, out)
 
 
@@ -88,7 +79,7 @@ def _timed(fn):
 def _compile_point(n: int, width: int) -> dict:
   """One leaf count, in this process: see :func:`compile_times`."""
   before = layered_tree(n, width)
-  after = jax.tree.map(jnp.asarray, host_step(before, n))
+  after = jax.tree.map(jnp.asarray, rl_like_update(before, n))
   plan = jsparse.make_plan(before, rollout_dtype=jnp.bfloat16)
   row = {}
   _, row["plain jit"] = _timed(lambda: jax.jit(plan.cast)(before))
@@ -131,7 +122,8 @@ def _scaling_point(params_target: int, width: int, steps: int = 3) -> dict:
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
   sender = jsparse.Sender(plan, params)
   receiver = jsparse.Receiver(plan, plan.cast(params))
-  step = jax.jit(rl_like_step.__wrapped__, donate_argnums=0)
+  step = jax.jit(functools.partial(rl_like_update, xp=jnp), static_argnums=1,
+                 donate_argnums=0)
   sends, receives = [], []
   for k in range(steps):
     params = jax.block_until_ready(step(params, k))

@@ -117,6 +117,7 @@ def chunks_of(plan: Plan) -> tuple[Chunk, ...]:
                for ids in sorted(runs))
 
 
+@functools.lru_cache(maxsize=64)
 def unchunked_leaves(plan: Plan) -> tuple[int, ...]:
   """Leaves in no chunk (zero-size leaves belong to no segment)."""
   chunked = {i for seg in plan.segments for i in seg.leaf_ids}

@@ -100,12 +100,12 @@ class Publisher:
     """Puts each part of a streamed version as it is produced."""
     entry = Entry(self.sender.version, kind, base, stream.parts)
     for k, data in enumerate(stream):  # to the end: the sender counts the stream done
-      self.feed.put(entry, stream.numbers[k], data)
-      self.bytes_put += len(data)
+      self._put(entry, data, stream.numbers[k])
     return entry
 
-  def _put(self, entry: Entry, data: bytes) -> Entry:
-    self.feed.put(entry, jax.process_index(), data)
+  def _put(self, entry: Entry, data: bytes, part: int | None = None) -> Entry:
+    """Puts part ``part`` of ``entry`` (default: this process's one part)."""
+    self.feed.put(entry, jax.process_index() if part is None else part, data)
     self.bytes_put += len(data)
     return entry
 

@@ -147,14 +147,15 @@ class PartsReader:
     self._records: list[tuple[Unit, SegmentPayload]] = []
     self._bytes_read = 0
 
-  def add(self, data) -> PartIndex:
+  def add(self, data, index: PartIndex | None = None) -> PartIndex:
     """Checks part ``data`` (bytes, or anything with ``len`` and slicing) against the plan and
-    the parts before it, and decodes the units this process needs.
+    the parts before it, and decodes the units this process needs (``index``: its index, if
+    already read).
 
     Raises:
       PayloadError: a corrupt or foreign part, or one of another version than the first.
     """
-    index = read_index(self.plan, data)
+    index = read_index(self.plan, data) if index is None else index
     _check_one_version(self._indexes + [index], complete=False)
     wanted = [i for i, entry in enumerate(index.entries)
               if needs_unit(self.plan, entry.unit, self._boxes)]
@@ -198,8 +199,8 @@ def read_parts(plan: Plan, parts: Sequence, held: Sequence[jax.Array]) -> PartsR
   _check_one_version(indexes, complete=True)
   _check_coverage(plan, indexes)
   reader = PartsReader(plan, held)
-  for data in parts:
-    reader.add(data)
+  for data, index in zip(parts, indexes):
+    reader.add(data, index)
   return reader.finish()
 
 

@@ -133,6 +133,7 @@ def _in_plan_order(chunk_arrays: list[jax.Array], order: jax.Array) -> jax.Array
   return jnp.concatenate(chunk_arrays)[order]
 
 
+@functools.lru_cache(maxsize=64)
 def _plan_order(plan: Plan) -> np.ndarray:
   """Where each segment's entry is in the chunks' concatenated per-segment arrays."""
   position = np.empty(len(plan.segments), np.int32)
