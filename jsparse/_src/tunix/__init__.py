@@ -1,0 +1,1 @@
+"""The Tunix adapter (``jsparse.tunix``); nothing in the core imports it."""

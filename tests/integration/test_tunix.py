@@ -1,0 +1,118 @@
+"""Tunix's own GRPO learner (``tunix.rl.grpo``) on a tiny random Qwen3 from Tunix's model zoo,
+fp32 trainer and bf16 ``VanillaRollout`` on two meshes, with jsparse syncs: every sync leaves the
+rollout bit-identical to the trainer's params cast to bf16, and the run (losses, rewards, every
+synced state) equals the same seeded run with Tunix's dense sync. A rollout job in another
+process follows the trainer's feed to the same bits. Each run happens once per module."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import jsparse
+from jsparse import engine
+from jsparse.testing import assert_trees_bitwise_equal
+from jsparse import tunix as jtunix
+from jsparse._src.tunix import compat
+from jsparse.examples import tunix_grpo
+
+STEPS = 3
+FOLLOW_TIMEOUT = 240  # seconds for the rollout job
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+  return np.asarray(x).view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+def _cast_bits(trainer_state: dict) -> dict:
+  return {k: _bits(v.astype(ml_dtypes.bfloat16)) for k, v in trainer_state.items()}
+
+
+@pytest.fixture(scope="module")
+def dense():
+  return tunix_grpo.run_grpo(sparse=False, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def sparse():
+  return tunix_grpo.run_grpo(sparse=True, steps=STEPS)
+
+
+def test_every_sync_leaves_the_rollout_bit_identical_to_the_trainer_cast_to_bf16(sparse):
+  assert len(sparse.synced) == STEPS
+  for trainer, rollout in sparse.synced:
+    assert {v.dtype for v in rollout.values()} == {np.dtype(ml_dtypes.bfloat16)}
+    expected = _cast_bits(trainer)
+    assert rollout.keys() == expected.keys()
+    for name, bits in expected.items():
+      np.testing.assert_array_equal(_bits(rollout[name]), bits, err_msg=name)
+  records = sparse.sparse.records
+  assert [r.version for r in records] == list(range(1, STEPS + 1))
+  for r in records:  # a delta of the changed elements, far below Tunix's fp32 copy
+    assert 0 < r.changed < 0.2 * r.elements and r.payload_bytes < 0.5 * r.dense_bytes, r
+
+
+def test_the_run_equals_the_same_run_with_tunix_dense_sync(dense, sparse):
+  assert len(dense.losses) == len(sparse.losses) == STEPS
+  assert sparse.losses == dense.losses and sparse.rewards == dense.rewards
+  assert len(set(dense.losses)) > 1  # the policy moved (the comparison can fail)
+  for (d_trainer, d_rollout), (s_trainer, s_rollout) in zip(dense.synced, sparse.synced, strict=True):
+    for name in d_rollout:
+      np.testing.assert_array_equal(_bits(s_trainer[name]), _bits(d_trainer[name]), err_msg=name)
+      np.testing.assert_array_equal(_bits(s_rollout[name]), _bits(d_rollout[name]), err_msg=name)
+
+
+def test_a_rollout_job_in_another_process_follows_the_trainer_feed(tmp_path):
+  feed_dir, out = tmp_path / "feed", tmp_path / "rollout.npz"
+  feed = engine.DirectoryFeed(feed_dir)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  job = subprocess.Popen(
+      [sys.executable, "-m", "jsparse.examples.tunix_grpo", "--feed", str(feed_dir),
+       "--until", str(STEPS), "--out", str(out)], env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+  try:
+    run = tunix_grpo.run_grpo(sparse=True, steps=STEPS, feed=feed, chunk_bytes=64 << 10)
+    output, _ = job.communicate(timeout=FOLLOW_TIMEOUT)
+  finally:
+    job.kill()
+  assert job.returncode == 0, output[-3000:]
+  assert f"rollout job at version {STEPS}" in output
+  trainer, local = run.synced[-1]
+  expected = _cast_bits(trainer)
+  with np.load(out) as remote:
+    assert sorted(remote.files) == sorted(expected)
+    for name, bits in expected.items():
+      np.testing.assert_array_equal(remote[name], bits, err_msg=name)
+      np.testing.assert_array_equal(_bits(local[name]), bits, err_msg=name)
+  assert [r.version for r in run.sparse.records] == list(range(1, STEPS + 1))
+  assert all(r.payload_bytes > 0 for r in run.sparse.records)
+
+
+def test_a_sync_of_other_variables_is_refused_before_anything_moves(sparse):
+  rollout = sparse.sparse
+  version = rollout.link.receiver.version
+  before = jax.tree.map(np.asarray, rollout.link.receiver.params)
+  with pytest.raises(jsparse.ConfigError, match="LoRAParam"):
+    rollout.update_params({}, (nnx.LoRAParam,))
+  assert rollout.link.receiver.version == version == rollout.link.sender.version
+  assert_trees_bitwise_equal(rollout.link.receiver.params, before)
+
+
+def test_a_changed_tunix_api_names_the_tested_version():
+  with pytest.raises(jtunix.TunixVersionError, match=r"google-tunix==0\.1\.7.*installed: 0\.1\.7"):
+    compat.tunix_attr("tunix.rl.rollout.base_rollout", "RenamedRollout")
+  with pytest.raises(jtunix.TunixVersionError, match="cannot import tunix.rl.moved"):
+    compat.tunix_attr("tunix.rl.moved", "BaseRollout")
+  with pytest.raises(jtunix.TunixVersionError, match="RLCluster has no attribute 'actor_trainer'"):
+    jtunix.use_sparse_sync(object())
+  assert jtunix.TESTED_TUNIX_VERSION == compat.installed_version()
+
+
+def test_a_plan_between_unlike_states_names_the_leaf():
+  with pytest.raises(jsparse.PlanMismatchError, match=r"\['w'\] \(3,\).*\(4,\)"):
+    jtunix.tunix_plan({"w": np.zeros(3, np.float32)}, {"w": np.zeros(4, ml_dtypes.bfloat16)})
