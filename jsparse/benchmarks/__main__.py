@@ -8,7 +8,8 @@ checkpoints against a delta chain (``--only storage``), and the end-to-end sync 
 over a simulated 1 and 10 Gbit/s link, sparse against dense (``--only link``); set-up time
 against the number of leaves, time per parameter and peak memory from 25M to 1B parameters, and
 an estimate for 7B and 70B models from this run's rates (``--only scale``; the estimate needs
-the sync part's rates, so ``--only scale`` runs that too).
+the sync part's rates, so ``--only scale`` runs that too); bytes and seconds per sync in Tunix's
+GRPO loop, jsparse against Tunix's dense sync (``--only tunix``, needs ``jsparse[tunix]``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Sequence
 import jax.numpy as jnp
 
 import jsparse
-from jsparse.benchmarks import link, scale, storage, sync
+from jsparse.benchmarks import link, scale, storage, sync, tunix_loop
 from jsparse.examples import workload
 
 
@@ -34,7 +35,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
                       help="AdamW steps at lr 3e-3 before the RL-like ones")
   parser.add_argument("--lr", type=float, default=1e-6, help="the RL-like AdamW learning rate")
   parser.add_argument("--repeats", type=int, default=5, help="timing repeats (best is kept)")
-  parser.add_argument("--only", choices=["sync", "storage", "link", "scale"],
+  parser.add_argument("--only", choices=["sync", "storage", "link", "scale", "tunix"],
                       help="run one part only")
   parser.add_argument("--leaf-counts", type=int, nargs="+", default=[100, 1000, 10000],
                       help="leaf counts of the set-up time table")
@@ -42,10 +43,14 @@ def run(argv: Sequence[str] | None = None) -> dict:
                       default=[25_000_000, 100_000_000, 250_000_000, 1_000_000_000],
                       help="model sizes of the scaling table")
   args = parser.parse_args(argv)
+  results = {}
+  if args.only == "tunix":  # its own run: no TinyLM workload needed
+    results["tunix"] = tunix_loop.tunix_syncs()
+    tunix_loop.print_tunix_syncs(results["tunix"])
+    return results
   cfg = workload.benchmark_config(args.dim, args.depth, args.vocab, args.pretrain_steps, args.lr)
   states = workload.realistic_run(cfg, args.steps)
   plan = jsparse.make_plan(states[0], rollout_dtype=jnp.bfloat16, capacity=0.05)
-  results = {}
   if args.only in (None, "sync", "scale"):
     results["sync"] = sync.run(plan, states, repeats=args.repeats)
   if args.only in (None, "link"):
@@ -69,6 +74,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
     scale.print_compile_times(results["compile"])
     results["scaling"] = scale.scaling(args.scale_params)
     scale.print_scaling(results["scaling"])
+  if args.only is None:
+    results["tunix"] = tunix_loop.tunix_syncs()
+    tunix_loop.print_tunix_syncs(results["tunix"])
   return results
 
 

@@ -21,10 +21,7 @@ An update is one step of sign-like AdamW updates at lr 1e-6, as RL post-training
 from __future__ import annotations
 
 import functools
-import json
 import resource
-import subprocess
-import sys
 import time
 from typing import Sequence
 
@@ -33,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jsparse
+from jsparse.benchmarks.fresh import in_fresh_process
 
 LEAVES_PER_LAYER = 8
 
@@ -98,9 +96,7 @@ def compile_times(leaf_counts: Sequence[int], width: int = 128) -> dict:
 
 
 def _in_subprocess(call: str) -> dict:
-  code = f"import json; from jsparse.benchmarks import scale; print(json.dumps(scale.{call}))"
-  out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-  return json.loads(out.stdout.strip().splitlines()[-1])
+  return in_fresh_process("jsparse.benchmarks.scale", call)
 
 
 def print_compile_times(rows: dict) -> None:

@@ -107,9 +107,24 @@ def _host_state(model) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
 
 
+def pretrained_like(model, std: float, seed: int = 0):
+  """``model`` with every matrix drawn from N(0, ``std``^2) (norm scales stay 1): the weight
+  scale of a pretrained transformer, where a bf16 ulp is ~1e-4, instead of Tunix's init (zero
+  MLP kernels, attention weights of ~0.01)."""
+  import jax
+  from flax import nnx
+  graph, params, rest = nnx.split(model, nnx.Param, ...)
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  leaves = [std * jax.random.normal(k, x.shape, x.dtype) if x.ndim >= 2 else x
+            for k, x in zip(keys, leaves)]
+  return nnx.merge(graph, jax.tree.unflatten(treedef, leaves), rest)
+
+
 def build_cluster(size: Size = Size(), *, steps: int = 3, learning_rate: float = 1e-5,
-                  new_tokens: int = 8):
-  """A Tunix ``RLCluster`` (actor, reference, bf16 vanilla rollout) for GRPO on ``size``."""
+                  new_tokens: int = 8, init_std: float | None = None):
+  """A Tunix ``RLCluster`` (actor, reference, bf16 vanilla rollout) for GRPO on ``size``;
+  ``init_std``: weights :func:`pretrained_like` instead of Tunix's init."""
   import jax.numpy as jnp
   import optax
   from flax import nnx
@@ -128,8 +143,10 @@ def build_cluster(size: Size = Size(), *, steps: int = 3, learning_rate: float =
       rollout_config=base_rollout.RolloutConfig(
           max_tokens_to_generate=new_tokens, max_prompt_length=8, kv_cache_size=64,
           data_type=jnp.bfloat16, temperature=0.9))
-  return rl.RLCluster(actor=qwen3.Qwen3(config, rngs=nnx.Rngs(0)),
-                      reference=qwen3.Qwen3(config, rngs=nnx.Rngs(0)),
+  def model():
+    built = qwen3.Qwen3(config, rngs=nnx.Rngs(0))
+    return built if init_std is None else pretrained_like(built, init_std)
+  return rl.RLCluster(actor=model(), reference=model(),
                       tokenizer=WordTokenizer(size.vocab), cluster_config=cluster_config)
 
 
@@ -173,12 +190,14 @@ def _observe(rl_cluster, seconds: list, synced: list, keep_states: bool) -> None
 
 
 def run_grpo(*, sparse: bool, size: Size = Size(), steps: int = 3, batch: int = 2,
-             keep_states: bool = True, **sync_options) -> GrpoRun:
-  """Runs Tunix's GRPO learner for ``steps`` steps, syncing densely (Tunix) or with jsparse."""
+             keep_states: bool = True, init_std: float | None = None,
+             learning_rate: float = 1e-5, **sync_options) -> GrpoRun:
+  """Runs Tunix's GRPO learner for ``steps`` steps, syncing densely (Tunix) or with jsparse
+  (``sync_options`` go to :func:`jsparse.tunix.use_sparse_sync`)."""
   from tunix.rl.grpo import grpo_learner
   from jsparse import tunix as jtunix
 
-  rl_cluster = build_cluster(size, steps=steps)
+  rl_cluster = build_cluster(size, steps=steps, init_std=init_std, learning_rate=learning_rate)
   rollout = jtunix.use_sparse_sync(rl_cluster, **sync_options) if sparse else None
   seconds: list[float] = []
   synced: list = []

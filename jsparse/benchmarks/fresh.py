@@ -1,0 +1,24 @@
+"""Runs one benchmark point in a fresh Python process (no compilation cached, its own memory and
+device count) and returns what it printed last, as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def in_fresh_process(module: str, call: str, devices: int | None = None) -> dict:
+  """``module.call`` evaluated in a new interpreter; ``devices``: simulated CPU devices there.
+
+  >>> in_fresh_process("math", "floor(2.5)")
+  2
+  """
+  env = dict(os.environ)
+  if devices is not None:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(devices)}"
+  code = f"import json, {module} as m; print(json.dumps(m.{call}))"
+  out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                       env=env)
+  return json.loads(out.stdout.strip().splitlines()[-1])
