@@ -38,7 +38,12 @@ from jsparse._src.tunix.rollout import SparseRollout, SyncRecord
 
 def sync_filter(model: Any) -> tuple:
   """The variable types Tunix syncs for ``model``: ``(nnx.LoRAParam,)`` when LoRA is on, else
-  ``(nnx.Param,)`` (as ``RLCluster.sync_weights`` chooses)."""
+  ``(nnx.Param,)`` (as ``RLCluster.sync_weights`` chooses).
+
+  >>> from flax import nnx
+  >>> [t.__name__ for t in sync_filter(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))]
+  ['Param']
+  """
   from flax import nnx
   is_lora_enabled = compat.tunix_attr("tunix.sft.utils", "is_lora_enabled")
   return (nnx.LoRAParam if is_lora_enabled(model) else nnx.Param,)
@@ -52,6 +57,11 @@ def tunix_plan(trainer_state: PyTree, rollout_state: PyTree, *, capacity: float 
 
   Raises:
     PlanMismatchError: the two states differ in structure (the first differing leaf is named).
+
+  >>> import jax.numpy as jnp
+  >>> plan = tunix_plan({'w': jnp.zeros(4)}, {'w': jnp.zeros(4, jnp.bfloat16)})
+  >>> plan.leaves[0].dtype, plan.leaves[0].rollout_dtype
+  (dtype('float32'), dtype(bfloat16))
   """
   trainer = jax.tree.flatten_with_path(trainer_state)[0]
   rollout = jax.tree.flatten_with_path(rollout_state)[0]
@@ -88,6 +98,12 @@ def use_sparse_sync(rl_cluster: Any, *, feed: Feed | None = None, coding: str = 
 
   Raises:
     TunixVersionError: Tunix is missing or its API changed (names the tested version).
+
+  >>> from jsparse.examples import tunix_grpo
+  >>> rl_cluster = tunix_grpo.build_cluster()  # GRPO on a tiny Qwen3; needs 4 devices
+  >>> sync = use_sparse_sync(rl_cluster)
+  >>> rl_cluster.rollout is sync, sync.link.receiver.version
+  (True, 0)
   """
   from flax import nnx
   trainer = compat.require(compat.require(rl_cluster, "actor_trainer", "RLCluster"), "model",
@@ -118,8 +134,24 @@ class RolloutSubscriber:
     version: the version the rollout's current params are (0: the trainer's initial params);
       when they are not, the first thing applied is an anchor.
 
-  >>> # in the rollout job:  follower = RolloutSubscriber(rollout, plan, feed)
-  >>> #                      follower.poll()   # applies every version published so far
+  >>> import tempfile, jax, jsparse
+  >>> from flax import nnx
+  >>> from jsparse import engine
+  >>> class Rollout:  # stands for a Tunix rollout, in a job of its own
+  ...   def __init__(self):
+  ...     self.net = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+  ...   def model(self):
+  ...     return self.net
+  ...   def update_params(self, params, filter_types):
+  ...     nnx.update(self.net, params)
+  >>> trainer = nnx.state(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Param)  # version 0
+  >>> plan = tunix_plan(trainer, trainer)
+  >>> feed = engine.DirectoryFeed(tempfile.mkdtemp())
+  >>> publisher = engine.Publisher(jsparse.Sender(plan, trainer), feed)  # in the trainer job
+  >>> follower = RolloutSubscriber(Rollout(), plan, feed)
+  >>> _ = publisher.publish(jax.tree.map(lambda x: x + 1, trainer))
+  >>> follower.poll(), float(follower.rollout.net.bias[0])
+  ([1], 1.0)
   """
 
   def __init__(self, rollout: Any, plan: Plan, feed: Feed, *, version: int = 0,

@@ -150,7 +150,8 @@ def build_cluster(size: Size = Size(), *, steps: int = 3, learning_rate: float =
                       tokenizer=WordTokenizer(size.vocab), cluster_config=cluster_config)
 
 
-def _dataset(batch: int):
+def dataset(batch: int = 2):
+  """The prompts as a grain dataset of ``batch``-sized batches (``prompts`` and ``answer``)."""
   from grain import python as grain
 
   class Prompts(grain.RandomAccessDataSource):
@@ -207,7 +208,7 @@ def run_grpo(*, sparse: bool, size: Size = Size(), steps: int = 3, batch: int = 
       algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=1, beta=0.04))
   if not learner.should_sync_weights:
     raise RuntimeError("Tunix does not sync weights in this set-up (shared weights)")
-  learner.train(_dataset(batch))
+  learner.train(dataset(batch))
   metrics = rl_cluster.actor_trainer.metrics_logger
   losses = [float(x) for x in metrics.get_metric_history("actor", "loss", "train")]
   rewards = [float(x) for x in

@@ -28,22 +28,23 @@ def test_layout_lists_every_module_and_only_existing_ones():
 
 def test_every_public_entry_point_has_a_runnable_example():
   import jsparse
-  from jsparse import engine
+  from jsparse import engine, tunix
   missing = []
-  for module in (jsparse, engine):
-    names = [name for name in module.__all__ if not isinstance(getattr(module, name), type)
-             or not issubclass(getattr(module, name), Exception)]
+  for module in (jsparse, engine, tunix):
+    names = [name for name in module.__all__ if callable(getattr(module, name)) and (
+        not isinstance(getattr(module, name), type)
+        or not issubclass(getattr(module, name), Exception))]
     missing += [f"{module.__name__}.{name}" for name in names
                 if ">>>" not in (getattr(module, name).__doc__ or "")]
   assert not missing, f"public names without a >>> example: {missing}"
 
 
-def test_import_jsparse_loads_neither_orbax_nor_flax_nor_optax():
+def test_import_jsparse_loads_neither_orbax_nor_flax_nor_optax_nor_tunix():
   import subprocess
   import sys
   code = ("import sys, jsparse, jsparse.engine; "
           "print(sorted({m.split('.')[0] for m in sys.modules} & "
-          "{'orbax', 'flax', 'optax', 'matplotlib', 'ray'}))")
+          "{'orbax', 'flax', 'optax', 'matplotlib', 'ray', 'tunix'}))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "[]"

@@ -37,7 +37,7 @@ def _tree(rng, dtype=np.float32):
           "n": strategies.random_bits(rng, (7,), dtype)}
 
 
-@settings(max_examples=30)
+@settings(max_examples=15)
 @given(strategies.trees_and_updates(), st.sampled_from([0.01, 0.3, 1.0]),
        st.sampled_from([0.01, 1.0]), st.sampled_from([1, 512]),
        st.sampled_from(list(jsparse.Coding)))

@@ -38,6 +38,11 @@ class SyncRecord:
     dense_bytes: what Tunix's dense sync moves for the same state (the trainer's arrays, before
       its cast on the rollout side).
     seconds: wall time of the whole sync (send, receive, install), on the host clock.
+
+  >>> record = SyncRecord(3, changed=900, elements=100_000, payload_bytes=1_000,
+  ...                     dense_bytes=400_000, seconds=0.08)
+  >>> record.density, record.reduction
+  (0.009, 400.0)
   """
   version: int
   changed: int
@@ -71,6 +76,20 @@ class SparseRollout(BaseRollout):
 
   Attributes:
     records: one :class:`SyncRecord` per sync, in order.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> from jsparse._src.tunix.links import InProcessLink
+  >>> class Printer:  # stands for a Tunix rollout
+  ...   def update_params(self, params, filter_types=None):
+  ...     print(params['w'].dtype, filter_types)
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)
+  >>> link = InProcessLink(jsparse.Sender(plan, {'w': jnp.zeros(8)}),
+  ...                      jsparse.Receiver(plan, {'w': jnp.zeros(8, jnp.bfloat16)}))
+  >>> rollout = SparseRollout(Printer(), link, ('Param',))
+  >>> rollout.update_params({'w': jnp.ones(8)}, ('Param',))
+  bfloat16 ('Param',)
+  >>> rollout.records[0].version, rollout.records[0].changed
+  (1, 8)
   """
 
   def __init__(self, inner: Any, link: Link, filter_types: tuple):  # pylint: disable=super-init-not-called
