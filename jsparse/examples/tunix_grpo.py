@@ -121,10 +121,21 @@ def pretrained_like(model, std: float, seed: int = 0):
   return nnx.merge(graph, jax.tree.unflatten(treedef, leaves), rest)
 
 
+def with_lora(model, rank: int):
+  """``model`` with qwix LoRA adapters of ``rank`` on the attention's q and v and the MLP's up
+  projection (Tunix then trains and syncs only the ``nnx.LoRAParam``s)."""
+  import qwix
+  from flax import nnx
+  provider = qwix.LoraProvider(module_path=".*q_proj|.*v_proj|.*up_proj", rank=rank, alpha=2.0)
+  return qwix.apply_lora_to_model(model, provider, rngs=nnx.Rngs(1), **model.get_model_input())
+
+
 def build_cluster(size: Size = Size(), *, steps: int = 3, learning_rate: float = 1e-5,
-                  new_tokens: int = 8, init_std: float | None = None):
+                  new_tokens: int = 8, init_std: float | None = None,
+                  lora_rank: int | None = None):
   """A Tunix ``RLCluster`` (actor, reference, bf16 vanilla rollout) for GRPO on ``size``;
-  ``init_std``: weights :func:`pretrained_like` instead of Tunix's init."""
+  ``init_std``: weights :func:`pretrained_like` instead of Tunix's init; ``lora_rank``: the
+  actor trains LoRA adapters (:func:`with_lora`)."""
   import jax.numpy as jnp
   import optax
   from flax import nnx
@@ -146,7 +157,8 @@ def build_cluster(size: Size = Size(), *, steps: int = 3, learning_rate: float =
   def model():
     built = qwen3.Qwen3(config, rngs=nnx.Rngs(0))
     return built if init_std is None else pretrained_like(built, init_std)
-  return rl.RLCluster(actor=model(), reference=model(),
+  actor = model() if lora_rank is None else with_lora(model(), lora_rank)
+  return rl.RLCluster(actor=actor, reference=model(),
                       tokenizer=WordTokenizer(size.vocab), cluster_config=cluster_config)
 
 
@@ -192,13 +204,15 @@ def _observe(rl_cluster, seconds: list, synced: list, keep_states: bool) -> None
 
 def run_grpo(*, sparse: bool, size: Size = Size(), steps: int = 3, batch: int = 2,
              keep_states: bool = True, init_std: float | None = None,
-             learning_rate: float = 1e-5, **sync_options) -> GrpoRun:
+             learning_rate: float = 1e-5, lora_rank: int | None = None,
+             **sync_options) -> GrpoRun:
   """Runs Tunix's GRPO learner for ``steps`` steps, syncing densely (Tunix) or with jsparse
   (``sync_options`` go to :func:`jsparse.tunix.use_sparse_sync`)."""
   from tunix.rl.grpo import grpo_learner
   from jsparse import tunix as jtunix
 
-  rl_cluster = build_cluster(size, steps=steps, init_std=init_std, learning_rate=learning_rate)
+  rl_cluster = build_cluster(size, steps=steps, init_std=init_std, learning_rate=learning_rate,
+                             lora_rank=lora_rank)
   rollout = jtunix.use_sparse_sync(rl_cluster, **sync_options) if sparse else None
   seconds: list[float] = []
   synced: list = []

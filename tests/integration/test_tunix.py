@@ -1,8 +1,9 @@
 """Tunix's own GRPO learner (``tunix.rl.grpo``) on a tiny random Qwen3 from Tunix's model zoo,
 fp32 trainer and bf16 ``VanillaRollout`` on two meshes, with jsparse syncs: every sync leaves the
 rollout bit-identical to the trainer's params cast to bf16, and the run (losses, rewards, every
-synced state) equals the same seeded run with Tunix's dense sync. A rollout job in another
-process follows the trainer's feed to the same bits. Each run happens once per module."""
+synced state) equals the same seeded run with Tunix's dense sync. With qwix LoRA only the
+adapters travel. A rollout job in another process follows the trainer's feed to the same bits.
+Each run happens once per module."""
 
 import os
 import subprocess
@@ -91,6 +92,21 @@ def test_a_rollout_job_in_another_process_follows_the_trainer_feed(tmp_path):
       np.testing.assert_array_equal(_bits(local[name]), bits, err_msg=name)
   assert [r.version for r in run.sparse.records] == list(range(1, STEPS + 1))
   assert all(r.payload_bytes > 0 for r in run.sparse.records)
+
+
+def test_with_lora_only_the_adapters_travel_and_every_param_stays_bit_exact():
+  run = tunix_grpo.run_grpo(sparse=True, steps=2, lora_rank=4)
+  assert run.sparse.filter_types == (nnx.LoRAParam,)
+  paths = [leaf.path for leaf in run.sparse.link.sender.plan.leaves]
+  assert paths and all("_lora_" in p for p in paths)
+  for trainer, rollout in run.synced:  # the adapters synced, the frozen base cast once at start
+    for name, bits in _cast_bits(trainer).items():
+      np.testing.assert_array_equal(_bits(rollout[name]), bits, err_msg=name)
+  (first, _), (second, _) = run.synced
+  assert any(not np.array_equal(first[k], second[k]) for k in first if "_lora_" in k)
+  assert all(np.array_equal(first[k], second[k]) for k in first if "_lora_" not in k)
+  assert all(0 < r.changed and r.elements == sum(np.size(first[k]) for k in first
+                                                  if "_lora_" in k) for r in run.sparse.records)
 
 
 def test_a_sync_of_other_variables_is_refused_before_anything_moves(sparse):
