@@ -45,7 +45,8 @@ from jsparse._src.wire.payload import (Coding, Kind, Payload, segment_host_bits,
 
 LINKS_GBIT = (0.1, 1, 10, 100)
 METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + zstd",
-           "jsparse format 1 (lists)", "jsparse format 2 (compact)")
+           "jsparse format 1 (lists)", "jsparse format 2 (compact)",
+           "jsparse format 2, positioned")
 
 
 def _best(fn: Callable, setup: Callable[[], tuple] = tuple, repeats: int = 5) -> float:
@@ -232,6 +233,7 @@ def compare_methods(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 
       METHODS[2]: _xor_zstd(plan, before, after, repeats),
       METHODS[3]: _jsparse(plan, before, after, repeats, Coding.LISTS),
       METHODS[4]: _jsparse(plan, before, after, repeats, Coding.RANKED),
+      METHODS[5]: _jsparse(plan, before, after, repeats, Coding.POSITIONED),
   }
 
 
@@ -318,16 +320,17 @@ def run(plan: jsparse.Plan, states: list, repeats: int = 5) -> dict:
   rows = compare_methods(plan, states[step - 1], states[step], repeats)
   print_report(plan, steps, rows, step)
   core = core_budgets(plan, states[step - 1], states[step], repeats)
-  print_device_ratios(rows[METHODS[4]], core)
+  for name in METHODS[4:]:
+    print_device_ratios(name, rows[name], core)
   return {"steps": steps, "step": step, "methods": rows, "core": core}
 
 
-def print_device_ratios(compact: dict, core: dict) -> None:
+def print_device_ratios(name: str, compact: dict, core: dict) -> None:
   """The sync's device passes against their floors, measured in this run: the sender's device
   stage (diff, next snapshot, digest, ranks) against a jitted compare-and-count of the same
   trees, the receiver's (positions, apply, digest) against a jitted dense cast and copy."""
   floor, dense = core["compare-and-count (floor)"][0], core["dense bf16 copy"][0]
-  print(f"device passes (format 2): send {1e3 * compact['diff']:.1f} ms = "
+  print(f"device passes ({name}): send {1e3 * compact['diff']:.1f} ms = "
         f"{compact['diff'] / floor:.2f}x compare-and-count; receive "
         f"{1e3 * compact['device_apply']:.1f} ms = {compact['device_apply'] / dense:.2f}x a dense "
         "cast and copy")
