@@ -38,11 +38,16 @@ _STREAM = struct.Struct("<II")
 _MAX_VARINT_BYTES = 10  # any 64-bit value
 _ESCAPE = 255
 _ZSTD_LEVEL = 3
+_BLOCK = 1 << 16  # changes coded at a time: bounds the host temporaries, whatever the payload
 
 
 def varint_encode(values: np.ndarray) -> bytes:
-  """LEB128 bytes of non-negative integers (any up to 2**64 - 1)."""
-  values = np.asarray(values).astype(np.uint64)
+  """LEB128 bytes of non-negative integers (any up to 2**64 - 1), coded a block at a time (the
+  bytes of a sequence are the bytes of its blocks, joined)."""
+  values = np.asarray(values)
+  if values.size > _BLOCK:
+    return b"".join(varint_encode(values[i:i + _BLOCK]) for i in range(0, values.size, _BLOCK))
+  values = values.astype(np.uint64)
   lengths = np.ones(values.shape, np.int64)
   for k in range(1, _MAX_VARINT_BYTES):
     lengths += values >= np.uint64(1 << (7 * k))
@@ -55,32 +60,43 @@ def varint_encode(values: np.ndarray) -> bytes:
   return out.tobytes()
 
 
-def varint_decode(data: bytes, count: int, what: str, limit: int) -> np.ndarray:
-  """Exactly ``count`` varints filling ``data``, each below ``limit`` (<= 2**64), as uint64.
+def varint_decode(data: bytes, count: int, what: str, limit: int,
+                  dtype: np.dtype = np.uint64) -> np.ndarray:
+  """Exactly ``count`` varints filling ``data``, each below ``limit`` (<= 2**64), as ``dtype``
+  (wide enough for ``limit - 1``), parsed a window of bytes at a time.
 
   Raises:
     PayloadError: a different number of varints, one longer than it can be below ``limit``,
       or one at or above ``limit``.
   """
   raw = np.frombuffer(data, np.uint8)
-  ends = np.flatnonzero(raw < 0x80)
-  if len(ends) != count or (count and ends[-1] != len(raw) - 1) or (not count and len(raw)):
-    raise PayloadError(f"{what}: expected {count} varints in {len(raw)} bytes")
-  starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64) if count else ends
-  lengths = ends - starts + 1
   max_bytes = _varint_bytes(limit - 1)
-  if count and lengths.max() > max_bytes:
-    raise PayloadError(f"{what}: a varint longer than {max_bytes} bytes")
-  values = np.zeros(count, np.uint64)
-  high = np.zeros(count, bool)  # bits past 64 (only a hostile 10-byte varint has them)
-  for k in range(max_bytes):
-    has = lengths > k
-    part = raw[starts[has] + k].astype(np.uint64) & np.uint64(0x7F)
-    if 7 * k + 7 > 64:
-      high[has] |= (part >> np.uint64(64 - 7 * k)) != 0
-    values[has] |= part << np.uint64(7 * k)
-  if count and (high.any() or int(values.max()) >= limit):
-    raise PayloadError(f"{what}: a value at or above {limit}")
+  values = np.zeros(count, dtype)
+  done, start = 0, 0  # varints decoded, where the next one starts
+  for window in range(0, len(raw), _BLOCK):
+    ends = np.flatnonzero(raw[window:window + _BLOCK] < 0x80) + window
+    if not len(ends):
+      continue
+    if done + len(ends) > count:
+      break
+    starts = np.concatenate([[start], ends[:-1] + 1])
+    lengths = ends - starts + 1
+    if lengths.max() > max_bytes:
+      raise PayloadError(f"{what}: a varint longer than {max_bytes} bytes")
+    block = np.zeros(len(ends), np.uint64)
+    high = np.zeros(len(ends), bool)  # bits past 64 (only a hostile 10-byte varint has them)
+    for k in range(max_bytes):
+      has = lengths > k
+      part = raw[starts[has] + k].astype(np.uint64) & np.uint64(0x7F)
+      if 7 * k + 7 > 64:
+        high[has] |= (part >> np.uint64(64 - 7 * k)) != 0
+      block[has] |= part << np.uint64(7 * k)
+    if high.any() or int(block.max()) >= limit:
+      raise PayloadError(f"{what}: a value at or above {limit}")
+    values[done:done + len(ends)] = block
+    done, start = done + len(ends), int(ends[-1]) + 1
+  if done != count or start != len(raw):
+    raise PayloadError(f"{what}: expected {count} varints in {len(raw)} bytes")
   return values
 
 
@@ -94,26 +110,31 @@ def _pack_stream(raw: bytes) -> bytes:
   return _STREAM.pack(len(raw), len(packed)) + packed
 
 
+def _sparse_streams(keys: np.ndarray, values: np.ndarray, dtype: np.dtype):
+  """The raw bytes of one segment's changes in the three streams (gaps, codes, escapes), a
+  block of changes at a time: the temporaries are a block's, not the segment's."""
+  for i in range(0, len(keys), _BLOCK):
+    block = np.asarray(keys[i:i + _BLOCK], np.int64)
+    gaps = np.diff(block, prepend=block.dtype.type(keys[i - 1] if i else -1)) - 1
+    zigzags = ulp_codes.zigzag(np.asarray(values[i:i + _BLOCK], dtype))
+    escaped = zigzags[zigzags >= _ESCAPE].astype(np.uint64) - np.uint64(_ESCAPE)
+    yield (varint_encode(gaps), np.minimum(zigzags, _ESCAPE).astype(np.uint8).tobytes(),
+           varint_encode(escaped))
+
+
 def encode_body(plan: Plan, segments: Sequence[SegmentPayload]) -> bytes:
   """The body bytes of format-2 ``segments``."""
-  table, gaps, codes, dense = [], [], [], []
+  table, streams, dense = [], ([], [], []), []
   for seg, part in zip(plan.segments, segments):
     if part.mode == Mode.DENSE:
       table.append(RECORD.pack(Mode.DENSE, seg.size))
       dense.append(np.ascontiguousarray(part.values, seg.bit_dtype.newbyteorder("<")).tobytes())
       continue
-    keys = np.asarray(part.indices, np.int64)
-    table.append(RECORD.pack(part.mode if len(keys) else Mode.EMPTY, len(keys)))
-    if len(keys):
-      gaps.append(np.diff(keys, prepend=-1) - 1)
-      codes.append(ulp_codes.zigzag(np.asarray(part.values, seg.bit_dtype)).astype(np.uint64))
-  gaps_all = np.concatenate(gaps) if gaps else np.zeros(0, np.int64)
-  zigzags = np.concatenate(codes) if codes else np.zeros(0, np.uint64)
-  escaped = zigzags >= _ESCAPE
-  return b"".join(table + [
-      _pack_stream(varint_encode(gaps_all)),
-      _pack_stream(np.minimum(zigzags, _ESCAPE).astype(np.uint8).tobytes()),
-      _pack_stream(varint_encode(zigzags[escaped] - np.uint64(_ESCAPE)))] + dense)
+    table.append(RECORD.pack(part.mode if len(part.indices) else Mode.EMPTY, len(part.indices)))
+    for pieces in _sparse_streams(part.indices, part.values, seg.bit_dtype):
+      for stream, raw in zip(streams, pieces):
+        stream.append(raw)
+  return b"".join(table + [_pack_stream(b"".join(raw)) for raw in streams] + dense)
 
 
 def _unpack_stream(reader: Reader, what: str, max_raw: int) -> bytes:
@@ -158,17 +179,15 @@ def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
   table = _segment_table(plan, reader)
   total = sum(count for mode, count in table if mode not in (Mode.EMPTY, Mode.DENSE))
   gaps = varint_decode(_unpack_stream(reader, "gaps stream", _varint_bytes(2**31) * total),
-                       total, "gaps stream", 2**31).astype(np.int64)
+                       total, "gaps stream", 2**31, np.uint32)
   code_bytes = np.frombuffer(_unpack_stream(reader, "codes stream", total), np.uint8)
   if len(code_bytes) != total:
     raise PayloadError(f"codes stream: {len(code_bytes)} codes for {total} changes")
-  escaped = code_bytes == _ESCAPE
-  num_escaped = int(escaped.sum())
+  num_escaped = int(np.count_nonzero(code_bytes == _ESCAPE))
   escapes = varint_decode(
       _unpack_stream(reader, "escapes stream", _MAX_VARINT_BYTES * num_escaped), num_escaped,
       "escapes stream", 2**64 - _ESCAPE)
-  zigzags = code_bytes.astype(np.uint64)
-  zigzags[escaped] += escapes
+  escaped_before = 0
   segments, at = [], 0
   for s, (seg, (mode, count)) in enumerate(zip(plan.segments, table)):
     where = plan.describe_segment(s)
@@ -181,13 +200,22 @@ def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
       segments.append(SegmentPayload(Mode.EMPTY, np.zeros(0, np.int32),
                                      np.zeros(0, seg.bit_dtype)))
       continue
-    keys = np.cumsum(gaps[at:at + count] + 1) - 1
-    codes = zigzags[at:at + count]
+    keys, values = np.empty(count, np.int32), np.empty(count, seg.bit_dtype)
+    last = -1
+    for i in range(0, count, _BLOCK):  # a block of changes at a time: bounded temporaries
+      stop = at + min(i + _BLOCK, count)
+      block = np.cumsum(gaps[at + i:stop].astype(np.int64) + 1) + last
+      if block[-1] >= seg.size:
+        raise PayloadError(f"{where}: key {block[-1]} out of range (size {seg.size})")
+      keys[i:i + _BLOCK], last = block, int(block[-1])
+      codes = code_bytes[at + i:stop].astype(np.uint64)
+      escaped = codes == _ESCAPE
+      num = int(np.count_nonzero(escaped))
+      codes[escaped] += escapes[escaped_before:escaped_before + num]
+      escaped_before += num
+      if int(codes.max()) > np.iinfo(seg.bit_dtype).max:
+        raise PayloadError(f"{where}: an ulp code wider than {seg.bit_dtype}")
+      values[i:i + _BLOCK] = ulp_codes.unzigzag(codes.astype(seg.bit_dtype))
     at += count
-    if keys[-1] >= seg.size:
-      raise PayloadError(f"{where}: key {keys[-1]} out of range (size {seg.size})")
-    if int(codes.max()) > np.iinfo(seg.bit_dtype).max:
-      raise PayloadError(f"{where}: an ulp code wider than {seg.bit_dtype}")
-    segments.append(SegmentPayload(mode, keys.astype(np.int32),
-                                   ulp_codes.unzigzag(codes.astype(seg.bit_dtype))))
+    segments.append(SegmentPayload(mode, keys, values))
   return tuple(segments)
