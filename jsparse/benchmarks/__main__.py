@@ -70,6 +70,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     step = results["sync"]["step"]
     results["coding"] = scale.coding_rates(plan, states[step - 1], states[step])
     scale.print_coding_rates(results["coding"])
+    results["host_memory"] = scale.host_memory(plan, states[step - 1], states[step])
+    scale.print_host_memory(results["host_memory"])
     results["compile"] = scale.compile_times(args.leaf_counts)
     scale.print_compile_times(results["compile"])
     results["scaling"] = scale.scaling(args.scale_params)

@@ -248,3 +248,49 @@ def print_coding_rates(rows: dict) -> None:
     print(f"  {n} thread(s): encode {r['encode'] / 1e6:.1f} M/s "
           f"({r['encode'] / first['encode']:.2f}x), decode {r['decode'] / 1e6:.1f} M/s "
           f"({r['decode'] / first['decode']:.2f}x)")
+
+
+def host_memory(plan: jsparse.Plan, before, after,
+                codings: Sequence[str] = ("ranked", "positioned", "lists"),
+                chunk_bytes: int = 8 << 20) -> dict:
+  """Peak host memory of one sync, per coding, against its payload: Python and NumPy
+  allocations traced by ``tracemalloc`` (device buffers, and the host copies XLA:CPU makes
+  itself, are not counted) during a whole ``send``, a whole ``receive``, and a streamed version
+  (``send_stream`` in parts of ``chunk_bytes``, each added to a ``ReceiveStream`` as it comes)."""
+  import tracemalloc
+  rows = {}
+  for coding in codings:
+    fresh = lambda: (jsparse.Sender(plan, before, coding=coding),
+                     jsparse.Receiver(plan, plan.cast(before)))
+    sender, receiver = fresh()
+    receiver.receive(sender.send(after))  # compiles outside the traced runs
+    sender, receiver = fresh()
+    tracemalloc.start()
+    data = sender.send(after)
+    send_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.reset_peak()
+    held = tracemalloc.get_traced_memory()[0]
+    receiver.receive(data)
+    receive_peak = tracemalloc.get_traced_memory()[1] - held
+    tracemalloc.stop()
+    sender, receiver = fresh()
+    tracemalloc.start()
+    stream = receiver.open_stream()
+    for part in sender.send_stream(after, chunk_bytes=chunk_bytes):
+      stream.add(part)
+    stream.commit()
+    stream_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    rows[coding] = {"payload": len(data), "changed": sender.last_stats.changed,
+                    "send": send_peak, "receive": receive_peak, "stream": stream_peak}
+  return rows
+
+
+def print_host_memory(rows: dict) -> None:
+  first = next(iter(rows.values()))
+  print(f"peak host memory of one sync ({first['changed']:,} changes; traced Python/NumPy "
+        "allocations), MB and x the payload")
+  for coding, r in rows.items():
+    cells = "  ".join(f"{what} {r[what] / 1e6:.1f} ({r[what] / r['payload']:.1f}x)"
+                      for what in ("send", "receive", "stream"))
+    print(f"  {coding:>10}: payload {r['payload'] / 1e6:.2f} MB; {cells}")

@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jsparse
 from jsparse._src.wire import compact, framing
+from jsparse._src.wire import payload as payload_lib
+from jsparse._src.wire.reader import Reader
 from jsparse._src.wire.payload import Format, Mode
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
@@ -151,3 +153,42 @@ def test_varints_roundtrip_and_refuse_overlong_or_short():
     compact.varint_decode(compact.varint_encode(np.array([2**31])), 1, "t", 2**31)
   with pytest.raises(jsparse.PayloadError, match="at or above"):  # bits past 64 in byte 10
     compact.varint_decode(b"\xff" * 9 + b"\x02", 1, "t", 2**64)
+
+
+def test_varints_cut_across_parsing_windows_roundtrip():
+  rng = np.random.default_rng(5)
+  bits = rng.integers(0, 64, 3 * compact._BLOCK)  # lengths of 1..10 bytes, windows cut them
+  values = rng.integers(0, 2**63, len(bits), dtype=np.uint64) >> bits.astype(np.uint64)
+  data = compact.varint_encode(values)
+  assert compact.varint_decode(data, len(values), "t", 2**64).tolist() == values.tolist()
+  small = values[values < 2**31]
+  decoded = compact.varint_decode(compact.varint_encode(small), len(small), "t", 2**31, np.uint32)
+  assert decoded.dtype == np.uint32 and decoded.tolist() == small.tolist()
+  with pytest.raises(jsparse.PayloadError, match="expected"):
+    compact.varint_decode(data, len(values) - 1, "t", 2**64)
+
+
+def test_host_temporaries_of_format_2_stay_a_few_bytes_per_change():
+  """Coding works a block of changes at a time: the traced peak of encoding 1M changes, and of
+  decoding them, is a few bytes per change (the streams and the decoded records), whatever
+  the count (before blocks: ~90 B per change to encode, ~60 to decode)."""
+  import tracemalloc
+  size, count = 1 << 24, 1 << 20
+  plan = jsparse.make_plan({"w": np.zeros(size, np.float32)}, rollout_dtype=jnp.bfloat16,
+                           capacity=0.1)
+  rng = np.random.default_rng(0)
+  keys = np.sort(rng.choice(size, count, replace=False)).astype(np.int32)
+  codes = rng.geometric(0.4, count).astype(np.uint16)  # small ulp codes, as RL updates make
+  codes[rng.random(count) < 0.01] = 40_000  # and 1% escaped
+  records = (payload_lib.SegmentPayload(Mode.BY_POSITION, keys, codes),)
+  tracemalloc.start()
+  body = compact.encode_body(plan, records)
+  encode_peak = tracemalloc.get_traced_memory()[1] - len(body)
+  tracemalloc.stop()
+  tracemalloc.start()
+  (decoded,) = compact.decode_body(plan, Reader(body))
+  decode_peak = tracemalloc.get_traced_memory()[1]
+  tracemalloc.stop()
+  assert decoded.indices.tolist() == keys.tolist() and decoded.values.tolist() == codes.tolist()
+  assert encode_peak < 8 * count and decode_peak < 12 * count, (encode_peak / count,
+                                                                 decode_peak / count)

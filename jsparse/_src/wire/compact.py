@@ -188,6 +188,7 @@ def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
       _unpack_stream(reader, "escapes stream", _MAX_VARINT_BYTES * num_escaped), num_escaped,
       "escapes stream", 2**64 - _ESCAPE)
   escaped_before = 0
+  all_keys = gaps.view(np.int32)  # each block of gaps becomes its keys in place (< 2**31)
   segments, at = [], 0
   for s, (seg, (mode, count)) in enumerate(zip(plan.segments, table)):
     where = plan.describe_segment(s)
@@ -200,14 +201,14 @@ def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
       segments.append(SegmentPayload(Mode.EMPTY, np.zeros(0, np.int32),
                                      np.zeros(0, seg.bit_dtype)))
       continue
-    keys, values = np.empty(count, np.int32), np.empty(count, seg.bit_dtype)
+    values = np.empty(count, seg.bit_dtype)
     last = -1
     for i in range(0, count, _BLOCK):  # a block of changes at a time: bounded temporaries
       stop = at + min(i + _BLOCK, count)
       block = np.cumsum(gaps[at + i:stop].astype(np.int64) + 1) + last
       if block[-1] >= seg.size:
         raise PayloadError(f"{where}: key {block[-1]} out of range (size {seg.size})")
-      keys[i:i + _BLOCK], last = block, int(block[-1])
+      all_keys[at + i:stop], last = block, int(block[-1])
       codes = code_bytes[at + i:stop].astype(np.uint64)
       escaped = codes == _ESCAPE
       num = int(np.count_nonzero(escaped))
@@ -216,6 +217,6 @@ def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
       if int(codes.max()) > np.iinfo(seg.bit_dtype).max:
         raise PayloadError(f"{where}: an ulp code wider than {seg.bit_dtype}")
       values[i:i + _BLOCK] = ulp_codes.unzigzag(codes.astype(seg.bit_dtype))
+    segments.append(SegmentPayload(mode, all_keys[at:at + count], values))
     at += count
-    segments.append(SegmentPayload(mode, keys, values))
   return tuple(segments)
