@@ -8,7 +8,8 @@ checkpoints against a delta chain (``--only storage``), and the end-to-end sync 
 over a simulated 1 and 10 Gbit/s link, sparse against dense (``--only link``); set-up time
 against the number of leaves, time per parameter and peak memory from 25M to 1B parameters, and
 an estimate for 7B and 70B models from this run's rates (``--only scale``; the estimate needs
-the sync part's rates, so ``--only scale`` runs that too); bytes and seconds per sync in Tunix's
+the sync part's rates, so ``--only scale`` runs that too); the peak host memory of a sync
+against its payload (``--only memory``); bytes and seconds per sync in Tunix's
 GRPO loop, jsparse against Tunix's dense sync (``--only tunix``, needs ``jsparse[tunix]``).
 """
 
@@ -35,7 +36,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
                       help="AdamW steps at lr 3e-3 before the RL-like ones")
   parser.add_argument("--lr", type=float, default=1e-6, help="the RL-like AdamW learning rate")
   parser.add_argument("--repeats", type=int, default=5, help="timing repeats (best is kept)")
-  parser.add_argument("--only", choices=["sync", "storage", "link", "scale", "tunix"],
+  parser.add_argument("--only", choices=["sync", "storage", "link", "scale", "memory", "tunix"],
                       help="run one part only")
   parser.add_argument("--leaf-counts", type=int, nargs="+", default=[100, 1000, 10000],
                       help="leaf counts of the set-up time table")
@@ -70,12 +71,15 @@ def run(argv: Sequence[str] | None = None) -> dict:
     step = results["sync"]["step"]
     results["coding"] = scale.coding_rates(plan, states[step - 1], states[step])
     scale.print_coding_rates(results["coding"])
-    results["host_memory"] = scale.host_memory(plan, states[step - 1], states[step])
-    scale.print_host_memory(results["host_memory"])
     results["compile"] = scale.compile_times(args.leaf_counts)
     scale.print_compile_times(results["compile"])
     results["scaling"] = scale.scaling(args.scale_params)
     scale.print_scaling(results["scaling"])
+  if args.only in (None, "scale", "memory"):
+    step = (results["sync"]["step"] if "sync" in results
+            else sync.one_percent_step(sync.per_step_sizes(plan, states)))
+    results["host_memory"] = scale.host_memory(plan, states[step - 1], states[step])
+    scale.print_host_memory(results["host_memory"])
   if args.only is None:
     results["tunix"] = tunix_loop.tunix_syncs()
     tunix_loop.print_tunix_syncs(results["tunix"])

@@ -314,9 +314,14 @@ def core_budgets(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 5) 
   return rows
 
 
+def one_percent_step(steps: list[dict]) -> int:
+  """The step (1-based) whose density is closest to 1%: the one the reports dwell on."""
+  return min(range(1, len(steps) + 1), key=lambda i: abs(steps[i - 1]["density"] - 0.01))
+
+
 def run(plan: jsparse.Plan, states: list, repeats: int = 5) -> dict:
   steps = per_step_sizes(plan, states)
-  step = min(range(1, len(states)), key=lambda i: abs(steps[i - 1]["density"] - 0.01))
+  step = one_percent_step(steps)
   rows = compare_methods(plan, states[step - 1], states[step], repeats)
   print_report(plan, steps, rows, step)
   core = core_budgets(plan, states[step - 1], states[step], repeats)
