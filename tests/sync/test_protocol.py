@@ -171,7 +171,8 @@ def test_compilations_follow_the_distinct_chunks_not_the_leaves_or_the_density(c
   distinct = len({c.plan for c in chunks_of(plan)})
   assert len(plan.segments) == 14 and distinct == 2  # 12 matrices by 4; two pools, mixed
   once = (programs.diff_program, programs.digest_program)
-  per_slots = (programs.rank_program, programs.positions_program, programs.apply_program(True))
+  per_slots = (programs.sparse_program, programs.positions_program,
+               programs.apply_program(True))
   before = [compilations(f) for f in once + per_slots]
   sender = jsparse.Sender(plan, params, coding=coding)
   receiver = jsparse.Receiver(plan, plan.cast(params))

@@ -47,7 +47,8 @@ class DeviceChanges(NamedTuple):
   """A sender's diff, on device.
 
   Attributes:
-    delta: the :class:`~jsparse.Delta` (new bits at the changed positions).
+    delta: the :class:`~jsparse.Delta` (new bits at the changed positions); for a delta (not an
+      anchor) the segments not split into blocks hold ``slots_needed`` slots, not the capacity.
     old_values: per segment, the old bits at the delta's positions (for ulp codes).
     ranks: per segment, the ranks of its first changes in the exponent-class order (None for
       segments named by position); None when no segment is ranked.
@@ -118,7 +119,7 @@ def _tables(plan: Plan, seg: Segment, flat: list) -> ranks_lib.ClassTables:
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
 def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: jax.Array):
   """A chunk's (delta, old bits at its positions, per-block counts, class tables of the ordered
-  segments (if ``ranked``; for :func:`rank_program`), the next snapshot, its digest). The
+  segments (if ``ranked``; for :func:`sparse_program`), the next snapshot, its digest). The
   snapshot is donated."""
   delta, old_values, block_counts = diff_flat_with_old(plan, snapshot, new)
   tables = tuple(_tables(plan, seg, snapshot) if ranked and seg.ordered else None
@@ -146,16 +147,22 @@ def _segment_array(plan: Plan, chunk_arrays: list[jax.Array], empty: jax.Array) 
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def rank_program(plan: Plan, slots: tuple[int, ...], tables: tuple, positions: tuple,
-                 old_values: tuple) -> tuple:
-  """Ranks of the first ``slots[s]`` changes of each ordered segment (None for the others)."""
+def sparse_program(plan: Plan, slots: tuple[int, ...], tables: tuple, positions: tuple,
+                   values: tuple, old_values: tuple) -> tuple:
+  """Per segment, a delta's changes in ``slots[s]`` slots instead of the capacity, so that only
+  those leave the device: ``(positions, new bits, old bits, ranks)``, the ranks where the
+  segment has class ``tables`` (else None). A segment split into blocks keeps all its slots
+  (each block's changes lie in that block's slots)."""
   out = []
-  for seg, n, table, pos, old in zip(plan.segments, slots, tables, positions, old_values):
-    if table is None:
-      out.append(None)
-      continue
-    classes = ulp_codes.exponent_class(old[:n], seg.dtype, jnp)
-    out.append(ranks_lib.ranks_of(table, jnp.minimum(pos[:n], seg.size - 1), classes))
+  for seg, n, table, pos, new, old in zip(plan.segments, slots, tables, positions, values,
+                                          old_values):
+    ranks = None
+    if table is not None:
+      classes = ulp_codes.exponent_class(old[:n], seg.dtype, jnp)
+      ranks = ranks_lib.ranks_of(table, jnp.minimum(pos[:n], seg.size - 1), classes)
+    if seg.blocks == 1:
+      pos, new, old = pos[:n], new[:n], old[:n]
+    out.append((pos, new, old, ranks))
   return tuple(out)
 
 
@@ -176,11 +183,16 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
   next_snapshot = place_leaves(plan, chunks, [o[4] for o in outs], _cast_unchunked(plan, new))
   digest = sum_digests([o[5] for o in outs])
   ranks_out = None
-  if coding.ranked and ranks:  # ranks need only as many slots as this step's changes
+  if ranks:  # a delta: its changes (and ranks) need only as many slots as this step's changes
     slots = slots_needed(plan, local_value(delta.counts))
-    ranks_out = place_segments(plan, chunks, [
-        rank_program(c.plan, c.segments(slots), c.segments(tables), c.segments(delta.indices),
-                     c.segments(old_values)) for c in chunks])
+    trimmed = [sparse_program(c.plan, c.segments(slots), c.segments(tables),
+                              c.segments(delta.indices), c.segments(delta.values),
+                              c.segments(old_values)) for c in chunks]
+    indices, values, old_values, ranks_out = (
+        place_segments(plan, chunks, [[seg[k] for seg in out] for out in trimmed])
+        for k in range(4))
+    delta = delta._replace(indices=indices, values=values)
+    ranks_out = ranks_out if coding.ranked else None
   return DeviceChanges(delta, old_values, ranks_out, block_counts), next_snapshot, digest
 
 
