@@ -116,7 +116,7 @@ def test_overflow_is_flagged_with_the_true_count_and_first_positions():
   assert under.overflow.tolist() == [False] and under.counts.tolist() == [100]
 
 
-@settings(max_examples=40)
+@settings(max_examples=25)
 @given(strategies.trees_and_updates(),
        st.sampled_from([1.0, 0.5, 0.05, 3]), st.sampled_from([1, 64, 4096]))
 def test_random_trees_roundtrip_exactly_unless_flagged(pair, capacity, bucket_size):

@@ -16,7 +16,7 @@ from tests import strategies
 from tests.meshes import place
 
 
-@settings(max_examples=40)
+@settings(max_examples=25)
 @given(st.integers(1, 3000), st.floats(0.0, 1.0), st.integers(1, 400), st.integers(0, 2**32 - 1))
 def test_first_set_positions_equal_nonzero(size, density, capacity, seed):
   mask = np.random.default_rng(seed).random(size) < density
@@ -38,7 +38,7 @@ def _bf16_bits_with_every_class(rng, size):
   return bits
 
 
-@settings(max_examples=25)
+@settings(max_examples=15)
 @given(st.integers(1, 2000).filter(lambda n: n % 256), st.integers(0, 2**32 - 1))
 def test_positions_of_ranks_of_is_the_identity_and_ranks_sort_by_class(size, seed):
   bits = _bf16_bits_with_every_class(np.random.default_rng(seed), size)

@@ -23,6 +23,7 @@ from jsparse._src.tunix import compat
 from jsparse.examples import tunix_grpo
 
 STEPS = 3
+FOLLOW_STEPS = 2  # versions the rollout job in another process follows
 FOLLOW_TIMEOUT = 240  # seconds for the rollout job
 
 
@@ -74,15 +75,15 @@ def test_a_rollout_job_in_another_process_follows_the_trainer_feed(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   job = subprocess.Popen(
       [sys.executable, "-m", "jsparse.examples.tunix_grpo", "--feed", str(feed_dir),
-       "--until", str(STEPS), "--out", str(out)], env=env, stdout=subprocess.PIPE,
+       "--until", str(FOLLOW_STEPS), "--out", str(out)], env=env, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True)
   try:
-    run = tunix_grpo.run_grpo(sparse=True, steps=STEPS, feed=feed, chunk_bytes=64 << 10)
+    run = tunix_grpo.run_grpo(sparse=True, steps=FOLLOW_STEPS, feed=feed, chunk_bytes=64 << 10)
     output, _ = job.communicate(timeout=FOLLOW_TIMEOUT)
   finally:
     job.kill()
   assert job.returncode == 0, output[-3000:]
-  assert f"rollout job at version {STEPS}" in output
+  assert f"rollout job at version {FOLLOW_STEPS}" in output
   trainer, local = run.synced[-1]
   expected = _cast_bits(trainer)
   with np.load(out) as remote:
@@ -90,7 +91,7 @@ def test_a_rollout_job_in_another_process_follows_the_trainer_feed(tmp_path):
     for name, bits in expected.items():
       np.testing.assert_array_equal(remote[name], bits, err_msg=name)
       np.testing.assert_array_equal(_bits(local[name]), bits, err_msg=name)
-  assert [r.version for r in run.sparse.records] == list(range(1, STEPS + 1))
+  assert [r.version for r in run.sparse.records] == list(range(1, FOLLOW_STEPS + 1))
   assert all(r.payload_bytes > 0 for r in run.sparse.records)
 
 

@@ -262,7 +262,7 @@ def test_numpy_ints_are_valid_int_options():
 
 # --- 64-bit leaves (x64): ulp codes of any width -------------------------------------------------
 
-@settings(max_examples=30)
+@settings(max_examples=15)
 @given(st.sampled_from([np.float64, np.int64, np.uint64]), st.integers(0, 2**32 - 1),
        st.sampled_from(list(jsparse.Coding)))
 def test_64_bit_leaves_with_arbitrary_bit_jumps_roundtrip(dtype, seed, coding):
