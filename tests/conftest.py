@@ -22,7 +22,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_addoption(parser):
-  parser.addoption("--fuzz-examples", type=int, default=8,
+  parser.addoption("--fuzz-examples", type=int, default=6,
                    help="cases of the whole-stack fuzz (tests/sync/test_fuzz.py)")
 
 

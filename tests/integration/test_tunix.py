@@ -133,3 +133,32 @@ def test_a_changed_tunix_api_names_the_tested_version():
 def test_a_plan_between_unlike_states_names_the_leaf():
   with pytest.raises(jsparse.PlanMismatchError, match=r"\['w'\] \(3,\).*\(4,\)"):
     jtunix.tunix_plan({"w": np.zeros(3, np.float32)}, {"w": np.zeros(4, ml_dtypes.bfloat16)})
+
+
+@pytest.mark.parametrize("through_feed", [False, True], ids=["in_process", "feed"])
+def test_a_rollout_that_holds_other_bits_starts_from_an_anchor(through_feed, tmp_path):
+  """The trainer's base and the rollout's params differ (e.g. another checkpoint): the digests
+  tell, the first sync is an anchor, and the rollout then holds the trainer's bits."""
+  import jax.numpy as jnp
+  from jsparse._src.tunix.links import FeedLink, InProcessLink
+  from jsparse._src.tunix.rollout import SparseRollout
+
+  class Installed:  # stands for a Tunix rollout
+    params = None
+
+    def update_params(self, params, filter_types=None):
+      self.params = params
+
+  trainer = {"w": jnp.linspace(-1, 1, 64, dtype=jnp.float32)}
+  plan = jtunix.tunix_plan(trainer, {"w": jnp.zeros(64, jnp.bfloat16)})
+  sender = jsparse.Sender(plan, trainer)
+  receiver = jsparse.Receiver(plan, {"w": jnp.zeros(64, jnp.bfloat16)})
+  assert sender.digest != receiver.digest
+  link = (FeedLink(sender, receiver, engine.DirectoryFeed(tmp_path), anchor_first=True)
+          if through_feed else InProcessLink(sender, receiver, anchor_first=True))
+  rollout = SparseRollout(Installed(), link, ("Param",))
+  for step in range(1, 3):
+    trainer = {"w": trainer["w"] * 1.01}
+    rollout.update_params(trainer, ("Param",))
+    assert_trees_bitwise_equal(rollout.inner.params, plan.cast(trainer))
+    assert receiver.version == sender.version == step

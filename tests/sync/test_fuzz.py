@@ -56,7 +56,7 @@ def _host(tree):
   return jax.tree.map(np.asarray, tree)
 
 
-@settings(max_examples=int(os.environ.get("JSPARSE_FUZZ_EXAMPLES", "8")), deadline=None,
+@settings(max_examples=int(os.environ.get("JSPARSE_FUZZ_EXAMPLES", "6")), deadline=None,
           suppress_health_check=list(HealthCheck))
 @given(st.integers(0, 2**32 - 1), st.sampled_from(_MESHES), st.sampled_from(_MESHES),
        st.sampled_from(list(jsparse.Coding)), st.sampled_from([0.01, 0.2, 1.0]),
