@@ -52,14 +52,14 @@ def print_tunix_syncs(result: dict) -> None:
           f"{r['dense_bytes'] / r['payload_bytes']:>7.1f} "
           f"{r['dense_bytes'] / 2 / r['payload_bytes']:>7.1f} {r['seconds'] * 1e3:>10.1f} "
           f"{dense_s * 1e3:>9.1f}")
+  later = slice(2, None)  # the first two syncs compile
   for gbits in (1, 10):  # the dense copy here is local; over a link each sync also pays its bytes
     sparse_wire = [s + r["payload_bytes"] * 8 / (gbits * 1e9)
                    for s, r in zip(result["sparse_seconds"], records)]
     dense_wire = [s + r["dense_bytes"] * 8 / (gbits * 1e9)
                   for s, r in zip(result["dense_seconds"], records)]
     print(f"  + its bytes over {gbits} Gbit/s (computed): jsparse "
-          f"{statistics.median(sparse_wire[2:]) * 1e3:.1f} ms, dense "
-          f"{statistics.median(dense_wire[2:]) * 1e3:.1f} ms per sync (median after compiling)")
-  later = slice(2, None)
+          f"{statistics.median(sparse_wire[later]) * 1e3:.1f} ms, dense "
+          f"{statistics.median(dense_wire[later]) * 1e3:.1f} ms per sync (median after compiling)")
   print(f"median after compiling: jsparse {statistics.median(result['sparse_seconds'][later]) * 1e3:.1f}"
         f" ms, dense {statistics.median(result['dense_seconds'][later]) * 1e3:.1f} ms per sync")

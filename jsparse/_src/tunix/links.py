@@ -57,10 +57,9 @@ class FeedLink:
   it. Other rollout jobs may subscribe to the same feed."""
 
   def __init__(self, sender: Sender, receiver: Receiver, feed: Feed, *,
-               anchor_first: bool = False, chunk_bytes: int = 64 << 20,
-               anchor_every: int | None = None):
+               anchor_first: bool = False, chunk_bytes: int = 64 << 20):
     self.sender, self.receiver = sender, receiver
-    self.publisher = Publisher(sender, feed, anchor_every=anchor_every, chunk_bytes=chunk_bytes)
+    self.publisher = Publisher(sender, feed, chunk_bytes=chunk_bytes)
     self.subscriber = Subscriber(receiver, feed)
     self._anchor = anchor_first
 
