@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 
 import jsparse
@@ -40,6 +41,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
                       help="run one part only")
   parser.add_argument("--leaf-counts", type=int, nargs="+", default=[100, 1000, 10000],
                       help="leaf counts of the set-up time table")
+  parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                      help="host threads of the coding-rate table")
   parser.add_argument("--scale-params", type=int, nargs="+",
                       default=[25_000_000, 100_000_000, 250_000_000, 1_000_000_000],
                       help="model sizes of the scaling table")
@@ -66,15 +69,21 @@ def run(argv: Sequence[str] | None = None) -> dict:
     compact, core = results["sync"]["methods"][sync.METHODS[4]], results["sync"]["core"]
     changed = results["sync"]["steps"][results["sync"]["step"] - 1]["changed"]
     ratio = compact["diff"] / core["compare-and-count (floor)"][0]
-    results["estimate"] = scale.estimate(compact, changed, ratio)
+    measured = None
+    if jax.default_backend() != "cpu":  # the device passes as timed on this accelerator
+      measured = ((compact["diff"] + compact["device_apply"]) / plan.num_elements,
+                  core["dense bf16 copy"][0] / plan.num_elements)
+    results["estimate"] = scale.estimate(compact, changed, ratio, measured_per_param=measured)
     scale.print_estimate(results["estimate"])
     step = results["sync"]["step"]
-    results["coding"] = scale.coding_rates(plan, states[step - 1], states[step])
+    results["coding"] = scale.coding_rates(plan, states[step - 1], states[step],
+                                           threads=args.threads)
     scale.print_coding_rates(results["coding"])
+    results["scaling"] = scale.scaling(args.scale_params,
+                                       stages=jax.default_backend() != "cpu")
+    scale.print_scaling(results["scaling"])
     results["compile"] = scale.compile_times(args.leaf_counts)
     scale.print_compile_times(results["compile"])
-    results["scaling"] = scale.scaling(args.scale_params)
-    scale.print_scaling(results["scaling"])
   if args.only in (None, "scale", "memory"):
     step = (results["sync"]["step"] if "sync" in results
             else sync.one_percent_step(sync.per_step_sizes(plan, states)))

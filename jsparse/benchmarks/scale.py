@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jsparse
+from jsparse._src.wire.payload import Coding
+from jsparse.benchmarks import sync
 from jsparse.benchmarks.fresh import in_fresh_process
 
 LEAVES_PER_LAYER = 8
@@ -111,7 +113,7 @@ def print_compile_times(rows: dict) -> None:
           f"{setup / row['plain jit']:>6.1f}")
 
 
-def _scaling_point(params_target: int, width: int, steps: int = 3) -> dict:
+def _scaling_point(params_target: int, width: int, steps: int = 3, stages: bool = False) -> dict:
   """One model size, in this process: see :func:`scaling`."""
   layers = max(1, round(params_target / (12 * width * width + 2 * width)))
   params = layered_tree(layers * LEAVES_PER_LAYER, width)
@@ -122,6 +124,7 @@ def _scaling_point(params_target: int, width: int, steps: int = 3) -> dict:
                  donate_argnums=0)
   sends, receives = [], []
   for k in range(steps):
+    snapshot = plan.cast(params) if stages and k == steps - 1 else None
     params = jax.block_until_ready(step(params, k))
     data, seconds = _timed(lambda: sender.send(params))
     sends.append(seconds)
@@ -129,16 +132,22 @@ def _scaling_point(params_target: int, width: int, steps: int = 3) -> dict:
     receives.append(seconds)
   n = plan.num_elements
   held = n * 4 + 2 * plan.rollout_bytes
-  return {"params": n, "leaves": len(plan.leaves), "density": sender.last_stats.density,
-          "bytes": len(data), "send": min(sends[1:]), "receive": min(receives[1:]),
-          "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "held": held}
+  row = {"params": n, "leaves": len(plan.leaves), "density": sender.last_stats.density,
+         "bytes": len(data), "send": min(sends[1:]), "receive": min(receives[1:]),
+         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "held": held}
+  if stages:  # after the peak is read: the stage timings hold copies of the snapshot
+    del receiver
+    row["stages"] = sync.stage_times(plan, Coding.RANKED, snapshot, params, data, repeats=2)
+  return row
 
 
 def scaling(params_targets: Sequence[int] = (25_000_000, 100_000_000, 250_000_000,
-                                               1_000_000_000), width: int = 1024) -> list:
+                                               1_000_000_000), width: int = 1024,
+            stages: bool = False) -> list:
   """Per target size (layers of ``width``), a fresh process's steady send and receive times and
-  peak memory (:func:`_scaling_point`)."""
-  return [_in_subprocess(f"_scaling_point({int(target)}, {int(width)})")
+  peak memory (:func:`_scaling_point`); ``stages``: also each of the four stages' seconds
+  (:func:`jsparse.benchmarks.sync.stage_times`)."""
+  return [_in_subprocess(f"_scaling_point({int(target)}, {int(width)}, stages={bool(stages)})")
           for target in params_targets]
 
 
@@ -153,6 +162,13 @@ def print_scaling(rows: list) -> None:
           f"{r['send'] * 1e3:>8.1f} {r['receive'] * 1e3:>8.1f} {per:>8.2f} "
           f"{r['peak_rss'] / 1e9:>11.2f} {r['held'] / 1e9:>8.2f} "
           f"{r['peak_rss'] / r['held']:>8.2f}")
+  staged = [r for r in rows if "stages" in r]
+  if staged:
+    print("  stages, ns/param: send device | host encode | host decode | receive device")
+    for r in staged:
+      print(f"  {r['params']:>13,} " + " | ".join(
+          f"{r['stages'][k] / r['params'] * 1e9:.3f}" for k in
+          ("diff", "host_encode", "host_decode", "device_apply")))
 
 
 # The accelerator assumption of the estimate: HBM bandwidth an XLA streaming pass reaches (an
@@ -163,7 +179,8 @@ HOST_THREADS = 8
 
 def estimate(compact: dict, changed: int, device_ratio: float, density: float = 0.01,
              models: Sequence[int] = (7_000_000_000, 70_000_000_000),
-             links_gbit: Sequence[float] = (10.0, 100.0)) -> list:
+             links_gbit: Sequence[float] = (10.0, 100.0),
+             measured_per_param: tuple[float, float] | None = None) -> list:
   """Sync seconds per step for large models, sparse against dense, from this run's measured
   rates (``compact``: the format-2 row of the sync benchmark, whose step had ``changed``
   changes) and :data:`HBM_BYTES_PER_S`.
@@ -174,25 +191,34 @@ def estimate(compact: dict, changed: int, device_ratio: float, density: float = 
   decode at the measured changes per second on one core and on :data:`HOST_THREADS` cores
   (linear: an upper bound), then the payload over the link at the measured bytes per change.
   Dense: the bf16 cast (6 B per parameter) and 2 B per parameter over the link.
+  ``measured_per_param``: seconds per parameter of the sparse device passes (both sides) and of
+  the dense cast, as measured on an accelerator; they replace the assumed bandwidth.
   """
   per_change = {"encode": compact["host_encode"] / changed,
                 "decode": compact["host_decode"] / changed, "bytes": compact["bytes"] / changed}
   rows = []
   for params in models:
     changes = density * params
-    device = 12 * params / HBM_BYTES_PER_S * device_ratio
+    if measured_per_param is None:
+      device = 12 * params / HBM_BYTES_PER_S * device_ratio
+      dense_device = 6 * params / HBM_BYTES_PER_S
+    else:
+      device, dense_device = (params * t for t in measured_per_param)
     host = changes * (per_change["encode"] + per_change["decode"])
     for gbit in links_gbit:
       wire = changes * per_change["bytes"] * 8 / (gbit * 1e9)
-      dense = 6 * params / HBM_BYTES_PER_S + 2 * params * 8 / (gbit * 1e9)
-      rows.append({"params": params, "link_gbit": gbit, "payload_bytes": changes
+      dense = dense_device + 2 * params * 8 / (gbit * 1e9)
+      rows.append({"params": params, "link_gbit": gbit, "measured": measured_per_param
+                   is not None, "payload_bytes": changes
                    * per_change["bytes"], "sparse_1": device + host + wire,
                    "sparse_n": device + host / HOST_THREADS + wire, "dense": dense})
   return rows
 
 
 def print_estimate(rows: list) -> None:
-  print(f"estimate at 1% density (assumed {HBM_BYTES_PER_S / 1e12:g} TB/s HBM; host coding "
+  device = ("device passes as timed on this accelerator" if rows and rows[0]["measured"]
+            else f"assumed {HBM_BYTES_PER_S / 1e12:g} TB/s HBM")
+  print(f"estimate at 1% density ({device}; host coding "
         f"at this run's rates on 1 core and on {HOST_THREADS} (linear, an upper bound))")
   print(f"{'params':>6} {'link':>9} {'payload MB':>10} {'sparse 1 core s':>15} "
         f"{f'sparse {HOST_THREADS} cores s':>16} {'dense s':>8} {'dense/sparse':>12}")

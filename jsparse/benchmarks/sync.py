@@ -182,12 +182,23 @@ def _jsparse(plan, before, after, repeats, coding):
   row = {"bytes": len(data),
          "encode": _best(lambda s: s.send(after), fresh_sender, repeats),
          "apply": _best(lambda r: r.receive(data), fresh_receiver, repeats)}
-  # The stages: the sender's device stage, host records and bytes, host decoding into device
-  # inputs, the receiver's device stage.
+  row.update(stage_times(plan, coding, snapshot, after, data, repeats))
+  flat = jax.tree.leaves(after)
+  inputs = programs.receiver_inputs(plan, framing.decode(plan, data))
+  layouts = layouts_of(plan, jax.tree.leaves(snapshot))
+  row["temp"] = _chunk_temps(plan, coding, layouts, jax.tree.leaves(snapshot), flat, inputs)
+  return row
+
+
+def stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any, data: bytes,
+                repeats: int = 5) -> dict:
+  """Seconds of a sync's four stages (best of ``repeats``): the sender's device stage
+  (``diff``), host records and bytes (``host_encode``), host decoding into device inputs
+  (``host_decode``), the receiver's device stage (``device_apply``). ``data``: the payload
+  of this update."""
   flat = jax.tree.leaves(after)
   fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
   device_stage = lambda snap, new: programs.sender_changes(plan, coding, snap, new)[0]
-  row["diff"] = _best(device_stage, fresh_snapshot, repeats)
   delta, old, ranks = jax.device_get(device_stage(*fresh_snapshot())[:3])
   dense = lambda s: segment_host_bits(plan, s, jax.tree.leaves(snapshot))
 
@@ -196,6 +207,7 @@ def _jsparse(plan, before, after, repeats, coding):
     return framing.encode(plan, Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), records,
                                         coding.format))
 
+  row = {"diff": _best(device_stage, fresh_snapshot, repeats)}
   row["host_encode"] = _best(encode_host, repeats=repeats)
   row["host_decode"] = _best(
       lambda: programs.receiver_inputs(plan, framing.decode(plan, data)), repeats=repeats)
@@ -203,7 +215,6 @@ def _jsparse(plan, before, after, repeats, coding):
   layouts = layouts_of(plan, jax.tree.leaves(snapshot))
   device_apply = lambda f: programs.apply_inputs(plan, layouts, f, inputs, donate=True)
   row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
-  row["temp"] = _chunk_temps(plan, coding, layouts, jax.tree.leaves(snapshot), flat, inputs)
   return row
 
 
