@@ -47,17 +47,36 @@ def varint_encode(values: np.ndarray) -> bytes:
   values = np.asarray(values)
   if values.size > _BLOCK:
     return b"".join(varint_encode(values[i:i + _BLOCK]) for i in range(0, values.size, _BLOCK))
-  values = values.astype(np.uint64)
-  lengths = np.ones(values.shape, np.int64)
-  for k in range(1, _MAX_VARINT_BYTES):
-    lengths += values >= np.uint64(1 << (7 * k))
-  out = np.empty(int(lengths.sum()), np.uint8)
-  starts = np.cumsum(lengths) - lengths
-  for k in range(_MAX_VARINT_BYTES):
-    has = lengths > k
-    more = (lengths[has] > k + 1).astype(np.uint64) << np.uint64(7)
-    out[starts[has] + k] = ((values[has] >> np.uint64(7 * k)) & np.uint64(0x7F)) | more
-  return out.tobytes()
+  if not values.size:
+    return b""
+  top = int(values.max())
+  if top < 0x80:  # one byte each: the common case of small gaps and codes
+    return values.astype(np.uint8).tobytes()
+  wide = np.uint32 if top < 2**32 else np.uint64
+  values = values.astype(wide)
+  long = np.flatnonzero(values >= wide(0x80))
+  if 4 * len(long) > len(values):
+    return _varint_table(values, _varint_bytes(top))
+  # Few long ones: each value's low 7 bits, then the long ones' higher bits inserted after them.
+  first = (values & wide(0x7F)).astype(np.uint8)
+  first[long] |= np.uint8(0x80)
+  higher = values[long] >> wide(7)
+  lengths = np.ones(len(higher), np.int64)
+  for k in range(1, _varint_bytes(int(higher.max()))):
+    lengths += higher >= wide(1 << (7 * k))
+  tail = np.frombuffer(varint_encode(higher), np.uint8)
+  return np.insert(first, np.repeat(long + 1, lengths), tail).tobytes()
+
+
+def _varint_table(values: np.ndarray, width: int) -> bytes:
+  """LEB128 bytes of unsigned ``values``, none longer than ``width`` bytes: a (value, byte)
+  table, the unused bytes masked out."""
+  groups = values[:, None] >> (values.dtype.type(7) * np.arange(width, dtype=values.dtype))
+  used = groups != 0
+  used[:, 0] = True
+  table = (groups & values.dtype.type(0x7F)).astype(np.uint8)
+  table[:, :-1] |= used[:, 1:].view(np.uint8) << np.uint8(7)
+  return table[used].tobytes()
 
 
 def varint_decode(data: bytes, count: int, what: str, limit: int,
@@ -83,15 +102,18 @@ def varint_decode(data: bytes, count: int, what: str, limit: int,
     lengths = ends - starts + 1
     if lengths.max() > max_bytes:
       raise PayloadError(f"{what}: a varint longer than {max_bytes} bytes")
-    block = np.zeros(len(ends), np.uint64)
-    high = np.zeros(len(ends), bool)  # bits past 64 (only a hostile 10-byte varint has them)
-    for k in range(max_bytes):
-      has = lengths > k
-      part = raw[starts[has] + k].astype(np.uint64) & np.uint64(0x7F)
+    block = (raw[starts] & np.uint8(0x7F)).astype(np.uint64)
+    high = False  # bits past 64 (only a hostile 10-byte varint has them)
+    longer = np.flatnonzero(lengths > 1)  # few: the rest are done
+    for k in range(1, max_bytes):
+      longer = longer[lengths[longer] > k]
+      if not len(longer):
+        break
+      part = raw[starts[longer] + k].astype(np.uint64) & np.uint64(0x7F)
       if 7 * k + 7 > 64:
-        high[has] |= (part >> np.uint64(64 - 7 * k)) != 0
-      block[has] |= part << np.uint64(7 * k)
-    if high.any() or int(block.max()) >= limit:
+        high = high or bool(np.any((part >> np.uint64(64 - 7 * k)) != 0))
+      block[longer] |= part << np.uint64(7 * k)
+    if high or int(block.max()) >= limit:
       raise PayloadError(f"{what}: a value at or above {limit}")
     values[done:done + len(ends)] = block
     done, start = done + len(ends), int(ends[-1]) + 1

@@ -51,6 +51,9 @@ def order_key(bits: Any, dtype: np.dtype, xp: Any) -> Any:
   if not is_float(dtype):
     return bits
   sign = _sign(dtype)
+  if xp is np:  # flip every bit of a negative, the sign bit of a positive: one pass fewer
+    width = 8 * bits.dtype.itemsize
+    return bits ^ ((bits.view(_signed(bits.dtype)) >> (width - 1)).view(bits.dtype) | sign)
   return xp.where((bits & sign) != 0, ~bits, bits | sign)
 
 
