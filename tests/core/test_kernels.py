@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.layout import Layout
-from jsparse._src.core.select import first_set_positions
+from jsparse._src.core.select import first_set_positions, sorted_search
 from jsparse._src.wire import ranks, ulp_codes
 from tests import strategies
 from tests.meshes import place
@@ -24,6 +24,17 @@ def test_first_set_positions_equal_nonzero(size, density, capacity, seed):
   (expected,) = jnp.nonzero(mask, size=capacity, fill_value=size)
   assert positions.tolist() == expected.tolist()
   assert int(count) == int(mask.sum())
+
+
+@pytest.mark.parametrize("method", ["scan", "scan_unrolled", None])
+def test_sorted_search_by_every_method_equals_numpy(method):
+  """The platform's default and the unrolled search other platforms run, checked here on CPU."""
+  rng = np.random.default_rng(7)
+  values = np.sort(rng.integers(0, 50, 1000)).astype(np.int32)
+  queries = rng.integers(-5, 55, 3000).astype(np.int32)
+  for side in ("left", "right"):
+    got = jax.jit(sorted_search, static_argnums=(2, 3))(values, queries, side, method)
+    assert got.tolist() == np.searchsorted(values, queries, side=side).tolist()
 
 
 def _bf16_bits_with_every_class(rng, size):

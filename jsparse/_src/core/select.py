@@ -5,6 +5,10 @@
 of the K output slots finds its word by binary search and its bit by a 5-step rank search inside
 the word. The cost is one streaming pass over the data plus O(K log n) small work.
 
+Binary searches (:func:`sorted_search`) run as a loop of steps on CPU and unrolled elsewhere:
+the JAX docs' advice for ``jnp.searchsorted`` ("'scan' tends to be more performant on CPU",
+"'scan_unrolled' is more performant on GPU"), where each iteration of a loop is its own launch.
+
 >>> import jax.numpy as jnp
 >>> idx, count = first_set_positions(jnp.array([0, 1, 1, 0, 1], bool), capacity=2)
 >>> idx.tolist(), int(count)
@@ -12,6 +16,8 @@ the word. The cost is one streaming pass over the data plus O(K log n) small wor
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +27,21 @@ from jax import lax
 from jsparse._src.core import bits as bits_lib
 
 _WORD = 32
+
+
+def sorted_search(sorted_values: jax.Array, queries: jax.Array, side: str,
+                  method: str | None = None) -> jax.Array:
+  """``jnp.searchsorted(sorted_values, queries, side=side)``, by ``method`` (default: 'scan' on
+  CPU, 'scan_unrolled' on other platforms, chosen when the program is lowered).
+
+  >>> sorted_search(jnp.array([1, 3, 3, 7]), jnp.array([0, 3, 8]), 'right').tolist()
+  [0, 3, 4]
+  """
+  search = lambda m: functools.partial(jnp.searchsorted, side=side, method=m)
+  if method is not None:
+    return search(method)(sorted_values, queries)
+  return lax.platform_dependent(sorted_values, queries, cpu=search("scan"),
+                                default=search("scan_unrolled"))
 
 
 def pack_words(mask: jax.Array) -> jax.Array:
@@ -54,7 +75,7 @@ def first_set_positions(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.
   ends = jnp.cumsum(lax.population_count(words).astype(jnp.int32))  # set bits in words [0, w]
   count = ends[-1]
   k = jnp.arange(1, capacity + 1, dtype=jnp.int32)
-  word_id = jnp.searchsorted(ends, k, side="left", method="scan").astype(jnp.int32)
+  word_id = sorted_search(ends, k, "left").astype(jnp.int32)
   safe_word = jnp.minimum(word_id, words.shape[0] - 1)
   before = jnp.where(word_id > 0, ends[jnp.maximum(safe_word - 1, 0)], 0)
   bit = rank_select(words[safe_word], k - before)

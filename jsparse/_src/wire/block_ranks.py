@@ -16,6 +16,7 @@ This works for any rollout layout, so one payload stream serves rollouts with di
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> from jax.sharding import NamedSharding, PartitionSpec as P
 >>> from jsparse._src.core.layout import Layout
+from jsparse._src.core.select import sorted_search
 >>> from jsparse._src.wire import ranks
 >>> bits = jnp.array(np.random.default_rng(0).integers(0x3000, 0x3F80, 64), jnp.uint16)
 >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))
@@ -43,6 +44,7 @@ from jax.sharding import PartitionSpec
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.blocks import unravel
 from jsparse._src.core.layout import Layout
+from jsparse._src.core.select import sorted_search
 from jsparse._src.wire import ranks as ranks_lib
 from jsparse._src.wire.ulp_codes import NUM_CLASSES
 
@@ -150,7 +152,7 @@ def positions_of_ranks(leaves: Sequence[jax.Array], layouts: Sequence[Layout | N
   size = at
   totals = sum(part.totals() for part in parts)
   class_start = jnp.cumsum(totals) - totals
-  classes = (jnp.searchsorted(class_start, ranks, side="right") - 1).astype(jnp.int32)
+  classes = (sorted_search(class_start, ranks, "right") - 1).astype(jnp.int32)
   classes = jnp.clip(classes, 0, NUM_CLASSES - 1)
   wanted = ranks - class_start[classes]  # the wanted-th class-c element, in position order
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsparse._src.core.select import pack_words, rank_select
+from jsparse._src.core.select import pack_words, rank_select, sorted_search
 from jsparse._src.wire.ulp_codes import NUM_CLASSES, exponent_class
 
 _WORD = 32
@@ -111,7 +111,7 @@ def ranks_of(tables: ClassTables, positions: jax.Array, classes: jax.Array) -> j
 def positions_of(tables: ClassTables, ranks: jax.Array) -> jax.Array:
   """The positions of the elements with the given ranks (each in ``[0, size)``)."""
   num_superblocks = tables.planes.shape[0]
-  flat = jnp.searchsorted(tables.first_rank, ranks, side="right", method="scan") - 1
+  flat = sorted_search(tables.first_rank, ranks, "right") - 1
   cls, superblock = flat // num_superblocks, flat % num_superblocks
   within = ranks - tables.first_rank[flat]
   words = _superblock_words(tables, superblock, cls)
