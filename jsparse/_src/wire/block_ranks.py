@@ -16,7 +16,6 @@ This works for any rollout layout, so one payload stream serves rollouts with di
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> from jax.sharding import NamedSharding, PartitionSpec as P
 >>> from jsparse._src.core.layout import Layout
-from jsparse._src.core.select import sorted_search
 >>> from jsparse._src.wire import ranks
 >>> bits = jnp.array(np.random.default_rng(0).integers(0x3000, 0x3F80, 64), jnp.uint16)
 >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))
