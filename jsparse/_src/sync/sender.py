@@ -19,6 +19,7 @@ The sender keeps the last synced state in rollout dtypes. Each ``send`` runs two
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -34,7 +35,7 @@ from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value, owned_units
 from jsparse._src.sync import programs
 from jsparse._src.sync.parts import dense_records, part_records, processes_with
-from jsparse._src.sync.stream import PartStream, produce, stream_pieces
+from jsparse._src.sync.stream import PartStream, produce, start_host_copies, stream_pieces
 from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, versioned_digest)
@@ -291,7 +292,8 @@ class Sender:
       self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=total)
 
     numbers = range(first, first + per_process)
-    return PartStream(numbers, head.parts, produce(pieces, encode, done))
+    prefetch = (lambda piece: None) if full else functools.partial(start_host_copies, changes)
+    return PartStream(numbers, head.parts, produce(pieces, encode, done, prefetch))
 
   @property
   def _units(self) -> tuple:

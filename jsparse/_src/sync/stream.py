@@ -27,7 +27,8 @@ import jax
 from jsparse._src.core.chunks import chunks_of
 from jsparse._src.core.plan import Plan
 from jsparse._src.core.units import Unit, owned_units, unit_slot
-from jsparse._src.threads import ordered_map
+from jsparse._src.sync.programs import DeviceChanges
+from jsparse._src.threads import default_threads, ordered_map
 
 Piece = tuple[Unit, ...]
 
@@ -90,11 +91,38 @@ class PartStream:
 
 
 def produce(pieces: Sequence[Piece], encode: Callable[[int, Piece], bytes],
-            done: Callable[[int], None]) -> Iterator[bytes]:
+            done: Callable[[int], None],
+            prefetch: Callable[[Piece], None] = lambda piece: None) -> Iterator[bytes]:
   """Yields ``encode(k, piece)`` for every piece, in order, coded ahead on the thread pool;
-  calls ``done(total bytes)`` after the last."""
+  calls ``done(total bytes)`` after the last. ``prefetch(piece)`` starts what a piece's coding
+  will wait for (its arrays' copies to the host), a few pieces before it is coded."""
+  ahead = default_threads() + 1
+  for piece in pieces[:ahead]:
+    prefetch(piece)
+
+  def encode_next(item: tuple[int, Piece]) -> bytes:
+    k, piece = item
+    if k + ahead < len(pieces):
+      prefetch(pieces[k + ahead])
+    return encode(k, piece)
+
   total = 0
-  for data in ordered_map(lambda item: encode(*item), list(enumerate(pieces))):
+  for data in ordered_map(encode_next, list(enumerate(pieces))):
     total += len(data)
     yield data
   done(total)
+
+
+def start_host_copies(changes: DeviceChanges, piece: Piece) -> None:
+  """Starts copying the diff's outputs that ``piece``'s units are coded from to the host
+  (``jax.Array.copy_to_host_async``), so that on an accelerator the copies of the next pieces
+  overlap the coding of this one instead of each array waiting for its own transfer."""
+  wanted = []
+  for unit in piece:
+    s = unit.segment
+    per_segment = (changes.delta.indices, changes.delta.values, changes.old_values,
+                   changes.ranks, changes.block_counts)
+    wanted += [arrays[s] for arrays in per_segment
+               if arrays is not None and isinstance(arrays[s], jax.Array)]
+  for x in wanted:
+    x.copy_to_host_async()
