@@ -83,8 +83,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     results["coding"] = scale.coding_rates(plan, states[step - 1], states[step],
                                            threads=args.threads)
     scale.print_coding_rates(results["coding"])
-    results["scaling"] = scale.scaling(args.scale_params,
-                                       stages=jax.default_backend() != "cpu")
+    results["scaling"] = scale.scaling(args.scale_params, stages=True)
     scale.print_scaling(results["scaling"])
     results["compile"] = scale.compile_times(args.leaf_counts)
     scale.print_compile_times(results["compile"])

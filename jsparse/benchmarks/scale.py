@@ -11,7 +11,8 @@ An update is one step of sign-like AdamW updates at lr 1e-6, as RL post-training
   ``receive`` in a fresh process per leaf count (every compilation included), against a plain jitted per-leaf op over the same tree (the bf16 cast a dense sync does).
 - :func:`scaling`: per model size, in a fresh process each, the steady ``send`` and ``receive``
   times per parameter and the process's peak resident memory against the bytes it must hold
-  (fp32 params, the sender's bf16 snapshot, the receiver's bf16 params).
+  (fp32 params, the sender's bf16 snapshot, the receiver's bf16 params); then the sync's four
+  stages and the device stages against their floors at that size.
 
 >>> rows = compile_times([16], width=32)
 >>> sorted(rows[16])
@@ -124,7 +125,6 @@ def _scaling_point(params_target: int, width: int, steps: int = 3, stages: bool 
                  donate_argnums=0)
   sends, receives = [], []
   for k in range(steps):
-    snapshot = plan.cast(params) if stages and k == steps - 1 else None
     params = jax.block_until_ready(step(params, k))
     data, seconds = _timed(lambda: sender.send(params))
     sends.append(seconds)
@@ -135,9 +135,13 @@ def _scaling_point(params_target: int, width: int, steps: int = 3, stages: bool 
   row = {"params": n, "leaves": len(plan.leaves), "density": sender.last_stats.density,
          "bytes": len(data), "send": min(sends[1:]), "receive": min(receives[1:]),
          "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "held": held}
-  if stages:  # after the peak is read: the stage timings hold copies of the snapshot
+  if stages:  # one more step, after the peak is read: the timings hold copies of the snapshot
     del receiver
+    snapshot = plan.cast(params)
+    params = jax.block_until_ready(step(params, steps))
+    data = sender.send(params)
     row["stages"] = sync.stage_times(plan, Coding.RANKED, snapshot, params, data, repeats=2)
+    row["floors"] = sync.floor_times(plan, snapshot, params, repeats=2)
   return row
 
 
@@ -146,7 +150,8 @@ def scaling(params_targets: Sequence[int] = (25_000_000, 100_000_000, 250_000_00
             stages: bool = False) -> list:
   """Per target size (layers of ``width``), a fresh process's steady send and receive times and
   peak memory (:func:`_scaling_point`); ``stages``: also each of the four stages' seconds
-  (:func:`jsparse.benchmarks.sync.stage_times`)."""
+  (:func:`jsparse.benchmarks.sync.stage_times`) and the two floors the device stages are held
+  against (:func:`jsparse.benchmarks.sync.floor_times`), timed after the peak is read."""
   return [_in_subprocess(f"_scaling_point({int(target)}, {int(width)}, stages={bool(stages)})")
           for target in params_targets]
 
@@ -164,11 +169,15 @@ def print_scaling(rows: list) -> None:
           f"{r['peak_rss'] / r['held']:>8.2f}")
   staged = [r for r in rows if "stages" in r]
   if staged:
-    print("  stages, ns/param: send device | host encode | host decode | receive device")
+    print("  stages, ns/param: send device | host encode | host decode | receive device; "
+          "device stages against compare-and-count and a dense cast and copy")
     for r in staged:
+      stages, floors = r["stages"], r["floors"]
       print(f"  {r['params']:>13,} " + " | ".join(
-          f"{r['stages'][k] / r['params'] * 1e9:.3f}" for k in
-          ("diff", "host_encode", "host_decode", "device_apply")))
+          f"{stages[k] / r['params'] * 1e9:.3f}" for k in
+          ("diff", "host_encode", "host_decode", "device_apply"))
+          + f"; send {stages['diff'] / floors['compare-and-count']:.2f}x, receive "
+          f"{stages['device_apply'] / floors['dense copy']:.2f}x")
 
 
 # The accelerator assumption of the estimate: HBM bandwidth an XLA streaming pass reaches (an

@@ -296,13 +296,27 @@ def _floor(plan, base, new):
   return total
 
 
+def _floor_programs(plan: jsparse.Plan) -> tuple[Callable, Callable]:
+  """The floors the device passes are held against: a jitted compare-and-count of the old bf16
+  tree and the new params (``(plan, snapshot, params)``), and a jitted dense cast and copy of
+  the params (``(params,)``)."""
+  return (jax.jit(_floor, static_argnums=0),
+          jax.jit(lambda p: jax.tree.map(lambda x: x + 0, plan.cast(p))))
+
+
+def floor_times(plan: jsparse.Plan, snapshot: Any, after: Any, repeats: int = 5) -> dict:
+  """Seconds of the two floors (:func:`_floor_programs`) on this update, best of ``repeats``."""
+  floor, dense_copy = _floor_programs(plan)
+  return {"compare-and-count": _best(floor, lambda: (plan, snapshot, after), repeats),
+          "dense copy": _best(dense_copy, lambda: (after,), repeats)}
+
+
 def core_budgets(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 5) -> dict:
   """The design budgets of the pure core: diff against the compare-and-count floor, donated
   apply against a dense copy, and their compiled temporary memory."""
   snapshot = plan.cast(before)
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(after))
-  floor = jax.jit(_floor, static_argnums=0)
-  dense_copy = jax.jit(lambda p: jax.tree.map(lambda x: x + 0, plan.cast(p)))
+  floor, dense_copy = _floor_programs(plan)
   delta = jsparse.diff(plan, snapshot, after)
   layouts = layouts_of(plan, jax.tree.leaves(snapshot))
   apply = functools.partial(jsparse.apply, plan, donate=True)
