@@ -260,9 +260,12 @@ def merged_payload(plan: Plan, read: PartsRead) -> Payload:
     if not keys[s]:
       segments.append(SegmentPayload(Mode.EMPTY, np.zeros(0, np.int32), np.zeros(0, seg.bit_dtype)))
       continue
-    key, value = np.concatenate(keys[s]), np.concatenate(values[s])
-    order = np.argsort(key, kind="stable")
-    segments.append(SegmentPayload(modes[s], key[order].astype(np.int32), value[order]))
+    key, value = keys[s][0], values[s][0]
+    if len(keys[s]) > 1 or np.any(key[1:] <= key[:-1]):  # (a unit of blocks maps unsorted)
+      key, value = np.concatenate(keys[s]), np.concatenate(values[s])
+      order = np.argsort(key, kind="stable")
+      key, value = key[order], value[order]
+    segments.append(SegmentPayload(modes[s], key.astype(np.int32, copy=False), value))
   head = read.header
   return Payload(head.kind, head.base_version, head.version, head.base_digest, head.new_digest,
                  tuple(segments), head.format)
