@@ -33,8 +33,9 @@ def sorted_search(sorted_values: jax.Array, queries: jax.Array, side: str,
   JAX's default backend is the CPU, else 'scan_unrolled'; every method gives the same result).
 
   Chosen when traced, by the default backend rather than ``lax.platform_dependent``: that one
-  traces and lowers both searches into every program (+40% tracing and lowering of a diff
-  program on CPU, measured), and jsparse's programs run where they are traced.
+  traces and lowers both searches into every program (on CPU, a program of one selection and
+  one rank search took 0.36 s to trace and lower instead of 0.25 s), and jsparse's programs
+  run where they are traced.
 
   >>> sorted_search(jnp.array([1, 3, 3, 7]), jnp.array([0, 3, 8]), 'right').tolist()
   [0, 3, 4]

@@ -292,7 +292,7 @@ class Sender:
       self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=total)
 
     numbers = range(first, first + per_process)
-    prefetch = (lambda piece: None) if full else functools.partial(start_host_copies, changes)
+    prefetch = None if full else functools.partial(start_host_copies, changes)
     return PartStream(numbers, head.parts, produce(pieces, encode, done, prefetch))
 
   @property

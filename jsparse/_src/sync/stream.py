@@ -92,17 +92,18 @@ class PartStream:
 
 def produce(pieces: Sequence[Piece], encode: Callable[[int, Piece], bytes],
             done: Callable[[int], None],
-            prefetch: Callable[[Piece], None] = lambda piece: None) -> Iterator[bytes]:
+            prefetch: Callable[[Piece], None] | None = None) -> Iterator[bytes]:
   """Yields ``encode(k, piece)`` for every piece, in order, coded ahead on the thread pool;
-  calls ``done(total bytes)`` after the last. ``prefetch(piece)`` starts what a piece's coding
-  will wait for (its arrays' copies to the host), a few pieces before it is coded."""
+  calls ``done(total bytes)`` after the last. ``prefetch(piece)``, if given, starts what a
+  piece's coding will wait for (its arrays' copies to the host), a few pieces before it is
+  coded."""
   ahead = default_threads() + 1
-  for piece in pieces[:ahead]:
+  for piece in pieces[:ahead] if prefetch else ():
     prefetch(piece)
 
   def encode_next(item: tuple[int, Piece]) -> bytes:
     k, piece = item
-    if k + ahead < len(pieces):
+    if prefetch and k + ahead < len(pieces):
       prefetch(pieces[k + ahead])
     return encode(k, piece)
 
@@ -117,12 +118,10 @@ def start_host_copies(changes: DeviceChanges, piece: Piece) -> None:
   """Starts copying the diff's outputs that ``piece``'s units are coded from to the host
   (``jax.Array.copy_to_host_async``), so that on an accelerator the copies of the next pieces
   overlap the coding of this one instead of each array waiting for its own transfer."""
-  wanted = []
+  per_segment = [arrays for arrays in (changes.delta.indices, changes.delta.values,
+                                       changes.old_values, changes.ranks, changes.block_counts)
+                 if arrays is not None]
   for unit in piece:
-    s = unit.segment
-    per_segment = (changes.delta.indices, changes.delta.values, changes.old_values,
-                   changes.ranks, changes.block_counts)
-    wanted += [arrays[s] for arrays in per_segment
-               if arrays is not None and isinstance(arrays[s], jax.Array)]
-  for x in wanted:
-    x.copy_to_host_async()
+    for arrays in per_segment:
+      if isinstance(arrays[unit.segment], jax.Array):
+        arrays[unit.segment].copy_to_host_async()

@@ -60,11 +60,8 @@ def varint_encode(values: np.ndarray) -> bytes:
   # Few long ones: each value's low 7 bits, then the long ones' higher bits inserted after them.
   first = (values & wide(0x7F)).astype(np.uint8)
   first[long] |= np.uint8(0x80)
-  higher = values[long] >> wide(7)
-  lengths = np.ones(len(higher), np.int64)
-  for k in range(1, _varint_bytes(int(higher.max()))):
-    lengths += higher >= wide(1 << (7 * k))
-  tail = np.frombuffer(varint_encode(higher), np.uint8)
+  tail = np.frombuffer(varint_encode(values[long] >> wide(7)), np.uint8)
+  lengths = np.diff(np.flatnonzero(tail < 0x80), prepend=-1)  # each ends at its byte < 0x80
   return np.insert(first, np.repeat(long + 1, lengths), tail).tobytes()
 
 

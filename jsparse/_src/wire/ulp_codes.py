@@ -50,11 +50,10 @@ def order_key(bits: Any, dtype: np.dtype, xp: Any) -> Any:
   """Unsigned keys in the order of the values of ``dtype`` (bits themselves for non-floats)."""
   if not is_float(dtype):
     return bits
-  sign = _sign(dtype)
-  if xp is np:  # flip every bit of a negative, the sign bit of a positive: one pass fewer
-    width = 8 * bits.dtype.itemsize
-    return bits ^ ((bits.view(_signed(bits.dtype)) >> (width - 1)).view(bits.dtype) | sign)
-  return xp.where((bits & sign) != 0, ~bits, bits | sign)
+  # Every bit of a negative flipped, the sign bit of a positive set: XOR with the sign bit
+  # copied down (arithmetic shift), or'd with the sign bit.
+  width = 8 * np.dtype(bits.dtype).itemsize
+  return bits ^ ((bits.view(_signed(bits.dtype)) >> (width - 1)).view(bits.dtype) | _sign(dtype))
 
 
 def from_order_key(key: Any, dtype: np.dtype, xp: Any) -> Any:
