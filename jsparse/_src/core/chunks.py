@@ -12,13 +12,15 @@ A chunk is also what a stage can hand on as soon as it is done: the device runs 
 while the host copies and codes chunk ``k``.
 
 >>> import jax.numpy as jnp, jsparse
->>> params = {f'layer{i}': {'w': jnp.zeros((256, 256)), 'b': jnp.zeros(256)} for i in range(6)}
+>>> params = {f'layer{i}': {'w': jnp.zeros((256, 256)), 'b': jnp.zeros(256)} for i in range(9)}
 >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
 >>> chunks = chunks_of(plan)
->>> [c.segment_ids for c in chunks]  # the matrices by four, then the pooled biases
-[(0, 1, 2, 3), (4, 5), (6,)]
->>> [leaf.path for leaf in chunks[1].plan.leaves]  # no paths: chunks of 2 matrices share it
-['[0]', '[1]']
+>>> [c.segment_ids for c in chunks]  # the matrices by four; the last one mixed with the biases
+[(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
+>>> [leaf.path for leaf in chunks[1].plan.leaves]  # no paths: the two chunks share one program
+['[0]', '[1]', '[2]', '[3]']
+>>> chunks[0].plan == chunks[1].plan
+True
 """
 
 from __future__ import annotations
@@ -93,18 +95,25 @@ def _sub_plan(plan: Plan, segment_ids: Sequence[int]) -> Plan:
 @functools.lru_cache(maxsize=64)
 def chunks_of(plan: Plan) -> tuple[Chunk, ...]:
   """The plan's segments as chunks: segments of one structure, taken in plan order, by up to
-  :data:`MAX_SEGMENTS` (and :data:`MAX_LEAVES` leaves, at least one segment); segments of a
-  structure that occurs once, in plan order, by up to :data:`MAX_MIXED_SEGMENTS` (and
-  :data:`MAX_LEAVES` leaves); chunks ordered by their first segment."""
+  :data:`MAX_SEGMENTS` (and :data:`MAX_LEAVES` leaves, at least one segment) in chunks of one
+  size; segments of a structure that occurs once, and those left over from a run of full
+  chunks, in plan order, by up to :data:`MAX_MIXED_SEGMENTS` (and :data:`MAX_LEAVES` leaves);
+  chunks ordered by their first segment."""
   by_structure: dict[tuple, list[int]] = {}
   for s, seg in enumerate(plan.segments):
     by_structure.setdefault(_structure(plan, seg), []).append(s)
-  runs, mixed, leaves = [], [[]], 0
+  runs, alone, mixed, leaves = [], [], [[]], 0
   for ids in by_structure.values():
-    if len(ids) > 1:
-      per_chunk = max(1, min(MAX_SEGMENTS, MAX_LEAVES // len(plan.segments[ids[0]].leaf_ids)))
-      runs += [ids[i:i + per_chunk] for i in range(0, len(ids), per_chunk)]
-  for s in sorted(ids[0] for ids in by_structure.values() if len(ids) == 1):
+    per_chunk = max(1, min(MAX_SEGMENTS, MAX_LEAVES // len(plan.segments[ids[0]].leaf_ids)))
+    if len(ids) == 1:
+      shared = 0
+    elif len(ids) <= per_chunk:
+      shared = len(ids)
+    else:  # a short last chunk would be a structure of its own: its segments go mixed instead
+      shared = len(ids) - len(ids) % per_chunk
+    runs += [ids[i:i + per_chunk] for i in range(0, shared, per_chunk)]
+    alone += ids[shared:]
+  for s in sorted(alone):
     n = len(plan.segments[s].leaf_ids)
     if mixed[-1] and (len(mixed[-1]) == MAX_MIXED_SEGMENTS or leaves + n > MAX_LEAVES):
       mixed.append([])

@@ -79,9 +79,10 @@ def class_tables(bits: jax.Array, dtype: np.dtype) -> ClassTables:
                      (jnp.uint32(1) << (filled & 31)) - 1)
   planes = [jnp.pad(p, (0, num_words - p.shape[0])) for p in planes] + [exists]
   planes = jnp.stack([p.reshape(num_superblocks, _SUPERBLOCK_WORDS) for p in planes], axis=1)
-  counts = jnp.stack([
-      jnp.sum(lax.population_count(_class_mask(planes, c)).astype(jnp.int32), axis=-1)
-      for c in range(NUM_CLASSES)]).reshape(-1)
+  # Every class's masks at once (``[superblocks, classes, words]``): one fused pass, and a
+  # program whose size does not grow with the number of classes.
+  masks = _class_mask(planes[:, None], jnp.arange(NUM_CLASSES, dtype=jnp.int32)[None, :])
+  counts = jnp.sum(lax.population_count(masks).astype(jnp.int32), axis=-1).T.reshape(-1)
   first_rank = jnp.cumsum(counts) - counts
   # Materialize the tables: fused into the queries' gathers, XLA would recompute them per query.
   return ClassTables(*lax.optimization_barrier((planes, first_rank)))
