@@ -101,13 +101,11 @@ def place_on_plan_layouts(plan: Plan, flat: list, *, what: str) -> list:
 def owned_leaves(flat: list) -> list:
   """Copies of ``flat``'s leaves that nobody else holds (same shardings), for a caller that
   will donate them: the caller's arrays, tied weights (one array at two leaves) and arrays
-  shared with a sender in the same process stay alive."""
-  return _copy_leaves(flat)
-
-
-@jax.jit
-def _copy_leaves(flat: list) -> list:
-  return [jnp.copy(x) for x in flat]
+  shared with a sender in the same process stay alive. Copied by the runtime, buffer by
+  buffer: nothing to compile, whatever the number of leaves (a jitted copy of 10,000 leaves
+  compiled for seconds)."""
+  flat = list(flat)
+  return jax.device_put(flat, [x.sharding for x in flat], may_alias=False)
 
 
 def distinct_buffers(flat: list) -> list:
