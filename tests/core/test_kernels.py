@@ -12,6 +12,7 @@ from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.layout import Layout
 from jsparse._src.core.select import first_set_positions, sorted_search
 from jsparse._src.wire import ranks, ulp_codes
+from jsparse.testing import special_values
 from tests import strategies
 from tests.meshes import place
 
@@ -90,6 +91,58 @@ def test_bit_views_roundtrip_every_pattern_on_device(dtype):
   assert np.array_equal(np.asarray(bits), bits_lib.np_to_bits(x))
   back = jax.jit(bits_lib.from_bits, static_argnums=1)(bits, np.dtype(dtype))
   assert np.array_equal(bits_lib.np_to_bits(np.asarray(back)), bits_lib.np_to_bits(x))
+
+
+def _np_fmix(x):
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x85EBCA6B)
+  x = x ^ (x >> np.uint32(13))
+  x = x * np.uint32(0xC2B2AE35)
+  return x ^ (x >> np.uint32(16))
+
+
+def _np_digest(leaves, leaf_ids):
+  """The digest's formula, leaf by leaf in NumPy: per element, its 32-bit word mixed with its
+  position and its leaf's id, two lanes, summed mod 2**32."""
+  total = np.zeros(2, np.uint32)
+  with np.errstate(over="ignore"):
+    for leaf, leaf_id in zip(leaves, leaf_ids):
+      bits = bits_lib.np_to_bits(np.asarray(leaf)).reshape(-1)
+      if bits.dtype == np.uint64:
+        words = bits.astype(np.uint32) ^ _np_fmix((bits >> np.uint64(32)).astype(np.uint32))
+      else:
+        words = bits.astype(np.uint32)
+      positions = np.arange(words.size, dtype=np.uint32)
+      for k, (c_bits, c_pos) in enumerate(((0x9E3779B1, 0x85EBCA77), (0xC2B2AE3D, 0x27D4EB2F))):
+        seed = np.uint32(leaf_id) * np.uint32(0x632BE5AB) + np.uint32(k)
+        lane = _np_fmix(words * np.uint32(c_bits) + positions * np.uint32(c_pos) + seed)
+        total[k] += lane.sum(dtype=np.uint32)
+  return total
+
+
+def test_the_digest_is_its_formula_whether_leaves_are_stacked_or_not():
+  """Runs of equal-sized small leaves are digested stacked (one program op for the run): the
+  sums are the formula's, leaf by leaf, across dtypes, empty leaves, split leaves and ids."""
+  rng = np.random.default_rng(7)
+  leaves = [rng.normal(size=128).astype(np.float32) for _ in range(5)]
+  leaves += [np.zeros((0, 3), np.float32), rng.normal(size=(16, 8)).astype(jnp.bfloat16),
+             rng.integers(-9, 9, size=128).astype(np.int32), rng.random(128) < 0.5,
+             np.resize(special_values(np.float32), 128),
+             rng.normal(size=(64, 96)).astype(np.float32), rng.normal(size=7).astype(np.float32)]
+  ids = rng.permutation(1000)[:len(leaves)].astype(np.uint32)
+  expected = _np_digest(leaves, ids)
+  as_arrays = [jnp.asarray(x) for x in leaves]
+  for program in (bits_digest, jax.jit(bits_digest, static_argnums=1)):
+    assert np.array_equal(np.asarray(program(as_arrays, None, ids)), expected)
+  split = list(as_arrays)
+  split[-2] = place({"w": leaves[-2]}, "fsdp2xtp2")["w"]
+  layouts = [None] * len(leaves)
+  layouts[-2] = Layout.of(split[-2].sharding, leaves[-2].shape)
+  assert np.array_equal(np.asarray(bits_digest(split, layouts, ids)), expected)
+  wide = [rng.normal(size=64).astype(np.float64).view(np.uint64) for _ in range(3)]
+  with jax.enable_x64(True):
+    assert np.array_equal(np.asarray(bits_digest([jnp.asarray(x) for x in wide])),
+                          _np_digest(wide, range(3)))
 
 
 def test_digest_sees_every_single_bit_and_is_the_same_block_by_block():
