@@ -47,13 +47,13 @@ def _words(bits: jax.Array) -> jax.Array:
 
 # Leaves up to this size, unsplit, of one size and next to each other, are
 # digested as one stacked array: a program's size then follows the groups, not the leaves (a
-# pool of 32 norms was ~2,500 lines of HLO), and the sums are the same.
+# pool of 32 norms: 2,926 lines of HLO leaf by leaf, 364 stacked), and the sums are the same.
 _STACKED_MAX_SIZE = 1 << 16
 
 
 def _mixed_sums(words: jax.Array, positions: jax.Array, leaf_ids: jax.Array) -> jax.Array:
-  """``uint32[2]``: the two sums over ``words`` (any shape) of each mixed with its position and
-  leaf id (both broadcast against ``words``)."""
+  """``uint32[2]``: the two sums, over every element, of ``words`` mixed with ``positions`` and
+  ``leaf_ids`` (the three broadcast together)."""
   positions = positions.astype(jnp.uint32)
   lanes = []
   for k, (c_bits, c_pos) in enumerate(_SEEDS):
@@ -61,7 +61,7 @@ def _mixed_sums(words: jax.Array, positions: jax.Array, leaf_ids: jax.Array) -> 
     lanes.append(_fmix(words * jnp.uint32(c_bits) + positions * jnp.uint32(c_pos) + seed))
   zero = jnp.uint32(0)
   sums = lax.reduce(tuple(lanes), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]),
-                    tuple(range(words.ndim)))
+                    tuple(range(lanes[0].ndim)))
   return jnp.stack(sums)
 
 
@@ -69,10 +69,7 @@ def _leaf_words(leaf: jax.Array) -> jax.Array:
   return _words(bits_lib.to_bits(leaf)).reshape(-1)
 
 
-def _leaf_digest(leaf: jax.Array, leaf_id: jax.Array, layout: Layout | None) -> jax.Array:
-  if layout is None:
-    return _mixed_sums(_leaf_words(leaf), jnp.arange(leaf.size, dtype=jnp.uint32), leaf_id)
-
+def _split_leaf_digest(leaf: jax.Array, leaf_id: jax.Array, layout: Layout) -> jax.Array:
   def local(block, leaf_id):  # each device sums its own block; the partial sums add up
     partial = _mixed_sums(_leaf_words(block), block_positions(layout, leaf.shape).reshape(-1),
                           leaf_id)
@@ -81,18 +78,23 @@ def _leaf_digest(leaf: jax.Array, leaf_id: jax.Array, layout: Layout | None) -> 
   return layout.shard_map(local, (layout.spec, PartitionSpec()), PartitionSpec())(leaf, leaf_id)
 
 
+def _layout(layouts: Sequence[Layout | None] | None, j: int) -> Layout | None:
+  return layouts[j] if layouts else None
+
+
 def _groups(leaves: Sequence[jax.Array], layouts: Sequence[Layout | None] | None
             ) -> list[list[int]]:
   """The non-empty leaves in runs digested together: next to each other, unsplit, of one size
-  (at most :data:`_STACKED_MAX_SIZE`); any other leaf alone. (Each element is mixed into a
-  32-bit word first, whatever its dtype, so unlike dtypes stack too.)"""
+  (at most :data:`_STACKED_MAX_SIZE`); any other leaf alone. A run is of consecutive leaves
+  (an empty one ends it), so its ids are one slice. (Each element is mixed into a 32-bit word
+  first, whatever its dtype, so unlike dtypes stack too.)"""
   groups: list[list[int]] = []
   key_of_last = None
   for j, leaf in enumerate(leaves):
     if not leaf.size:
       key_of_last = None
       continue
-    stackable = not (layouts and layouts[j]) and leaf.size <= _STACKED_MAX_SIZE
+    stackable = _layout(layouts, j) is None and leaf.size <= _STACKED_MAX_SIZE
     key = leaf.size if stackable else None
     if key is not None and key == key_of_last:
       groups[-1].append(j)
@@ -122,12 +124,12 @@ def bits_digest(leaves: Sequence[jax.Array],
   total = jnp.zeros((2,), jnp.uint32)
   for group in _groups(leaves, layouts):
     first = group[0]
-    if len(group) == 1:
-      total = total + _leaf_digest(leaves[first], leaf_ids[first],
-                                   layouts[first] if layouts else None)
+    layout = _layout(layouts, first)
+    if layout is not None:  # a split leaf, always alone in its group
+      total = total + _split_leaf_digest(leaves[first], leaf_ids[first], layout)
       continue
-    size = leaves[first].size
-    words = jnp.stack([_leaf_words(leaves[j]) for j in group])  # [leaves, size]
-    ids = lax.dynamic_slice_in_dim(leaf_ids, first, len(group))[:, None]
-    total = total + _mixed_sums(words, jnp.arange(size, dtype=jnp.uint32)[None, :], ids)
+    members = [_leaf_words(leaves[j]) for j in group]
+    words = jnp.stack(members) if len(members) > 1 else members[0]  # [leaves, size] or [size]
+    positions = jnp.arange(words.shape[-1], dtype=jnp.uint32)
+    total = total + _mixed_sums(words, positions, leaf_ids[first:first + len(group), None])
   return total
