@@ -38,7 +38,7 @@ from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.chunks import chunks_of
 from jsparse._src.core.delta import apply_program, diff_program
 from jsparse._src.core.placement import layouts_of
-from jsparse._src.sync import programs
+from jsparse._src.sync import programs, staging
 from jsparse._src.wire import framing
 from jsparse._src.wire.payload import (Coding, Kind, Payload, segment_host_bits,
                                        segment_records)
@@ -184,7 +184,7 @@ def _jsparse(plan, before, after, repeats, coding):
          "apply": _best(lambda r: r.receive(data), fresh_receiver, repeats)}
   row.update(stage_times(plan, coding, snapshot, after, data, repeats))
   flat = jax.tree.leaves(after)
-  inputs = programs.receiver_inputs(plan, framing.decode(plan, data))
+  inputs = staging.receiver_inputs(plan, jax.tree.leaves(snapshot), framing.decode(plan, data))
   layouts = layouts_of(plan, jax.tree.leaves(snapshot))
   row["temp"] = _chunk_temps(plan, coding, layouts, jax.tree.leaves(snapshot), flat, inputs)
   return row
@@ -194,7 +194,7 @@ def stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any, d
                 repeats: int = 5) -> dict:
   """Seconds of a sync's four stages (best of ``repeats``): the sender's device stage
   (``diff``), host records and bytes (``host_encode``), host decoding into device inputs
-  (``host_decode``), the receiver's device stage (``device_apply``). ``data``: the payload
+  (``host_decode``: the records staged on the device included), the receiver's device stage (``device_apply``). ``data``: the payload
   of this update."""
   flat = jax.tree.leaves(after)
   fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
@@ -209,9 +209,10 @@ def stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any, d
 
   row = {"diff": _best(device_stage, fresh_snapshot, repeats)}
   row["host_encode"] = _best(encode_host, repeats=repeats)
-  row["host_decode"] = _best(
-      lambda: programs.receiver_inputs(plan, framing.decode(plan, data)), repeats=repeats)
-  inputs = programs.receiver_inputs(plan, framing.decode(plan, data))
+  decode = lambda: staging.receiver_inputs(plan, jax.tree.leaves(snapshot),
+                                           framing.decode(plan, data))
+  row["host_decode"] = _best(decode, repeats=repeats)
+  inputs = decode()
   layouts = layouts_of(plan, jax.tree.leaves(snapshot))
   device_apply = lambda f: programs.apply_inputs(plan, layouts, f, inputs, donate=True)
   row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)

@@ -4,8 +4,8 @@ Trainer side (:func:`part_records`): the records of the units this process owns,
 addressable shards of the jitted diff's outputs, never from another process's data. Rollout
 side (:func:`read_parts`): every part's index, checked as one version (all parts, once each,
 covering every segment exactly once), then only the unit bodies that overlap this process's
-blocks; :func:`merged_payload` and :func:`write_dense_units` turn them into the inputs of the
-receiver's device stage.
+blocks, staged on the devices as they are decoded (``staging.py``); :func:`write_dense_units`
+writes the dense ones.
 
 >>> import jax.numpy as jnp, jsparse
 >>> params = {'w': jnp.zeros(1000)}
@@ -32,9 +32,10 @@ from jsparse._src.core.units import (Unit, block_box, local_value, needs_unit, o
                                      to_unit_positions, unit_slot, write_regions)
 from jsparse._src.errors import JsparseError, PayloadError
 from jsparse._src.sync.programs import DeviceChanges
+from jsparse._src.sync.staging import StagedRecords
 from jsparse._src.threads import parallel_map
 from jsparse._src.wire.parts import PartHeader, PartIndex, read_index, read_unit
-from jsparse._src.wire.payload import (Coding, Mode, Payload, SegmentPayload, segment_host_bits,
+from jsparse._src.wire.payload import (Coding, Mode, SegmentPayload, segment_host_bits,
                                        sparse_record)
 
 
@@ -115,7 +116,8 @@ class PartsRead:
 
   Attributes:
     header: what all the parts state alike (versions, digests, format).
-    records: the units this process needs, with their records.
+    dense: the dense units this process needs, with their records.
+    staged: the sparse records this process needs, on its devices.
     sparse_counts: per segment, the sparse changes in all parts (what every process sizes its
       programs by, whatever it read).
     any_sparse: whether any part carries a sparse record.
@@ -123,7 +125,8 @@ class PartsRead:
   """
 
   header: PartHeader
-  records: tuple[tuple[Unit, SegmentPayload], ...]
+  dense: tuple[tuple[Unit, SegmentPayload], ...]
+  staged: StagedRecords
   sparse_counts: np.ndarray
   any_sparse: bool
   stats: ReadStats
@@ -132,8 +135,8 @@ class PartsRead:
 class PartsReader:
   """Reads one version's parts as they arrive (:meth:`add`), then checks them as one version
   (:meth:`finish`). Each part's index is checked and the unit bodies this process needs are
-  decoded on arrival, so host decoding overlaps the transfer of the next parts; only the
-  decoded records of this process's units are kept.
+  decoded on arrival, so host decoding overlaps the transfer of the next parts; their sparse
+  records go to the devices as they are decoded (the host keeps only the dense ones).
 
   Args:
     plan: the plan.
@@ -144,7 +147,9 @@ class PartsReader:
     self.plan = plan
     self._boxes = process_boxes(held)
     self._indexes: list[PartIndex] = []
-    self._records: list[tuple[Unit, SegmentPayload]] = []
+    self._dense: list[tuple[Unit, SegmentPayload]] = []
+    self._staged = StagedRecords(plan, held)
+    self._units_read = 0
     self._bytes_read = 0
 
   def add(self, data, index: PartIndex | None = None) -> PartIndex:
@@ -160,12 +165,24 @@ class PartsReader:
     wanted = [i for i, entry in enumerate(index.entries)
               if needs_unit(self.plan, entry.unit, self._boxes)]
     records = parallel_map(  # zstd and NumPy release the GIL: units decode in parallel
-        lambda i: (index.entries[i].unit, read_unit(self.plan, index, data, i)), wanted)
+        lambda i: self._read(index, data, i), wanted)
     self._indexes.append(index)
-    self._records += records
+    self._dense += [r for r in records if r is not None]
+    self._units_read += len(wanted)
     self._bytes_read += (index.entries[0].start if index.entries else index.size) + sum(
         index.entries[i].length for i in wanted)
     return index
+
+  def _read(self, index: PartIndex, data, i: int) -> tuple[Unit, SegmentPayload] | None:
+    """Decodes unit ``i``: a dense record is returned, a sparse one staged."""
+    unit, record = index.entries[i].unit, read_unit(self.plan, index, data, i)
+    if record.mode == Mode.DENSE:
+      return unit, record
+    if record.count:
+      keys = record.indices if record.mode == Mode.BY_RANK else \
+          to_segment_positions(self.plan, unit, record.indices)
+      self._staged.add(unit.segment, keys, record.values)
+    return None
 
   def finish(self) -> PartsRead:
     """The version read, once every part was added once.
@@ -179,10 +196,11 @@ class PartsReader:
     _check_one_version(self._indexes, complete=True)
     counts = _check_coverage(self.plan, self._indexes)
     indexes = self._indexes
-    stats = ReadStats(len(indexes), sum(len(i.entries) for i in indexes), len(self._records),
+    stats = ReadStats(len(indexes), sum(len(i.entries) for i in indexes), self._units_read,
                       sum(i.size for i in indexes), self._bytes_read)
     any_sparse = any(e.mode not in (Mode.DENSE, Mode.EMPTY) for i in indexes for e in i.entries)
-    return PartsRead(indexes[0].header, tuple(self._records), counts, any_sparse, stats)
+    return PartsRead(indexes[0].header, tuple(self._dense), self._staged, counts, any_sparse,
+                     stats)
 
 
 def read_parts(plan: Plan, parts: Sequence, held: Sequence[jax.Array]) -> PartsRead:
@@ -240,44 +258,11 @@ def _check_coverage(plan: Plan, indexes: Sequence[PartIndex]) -> np.ndarray:
   return counts
 
 
-def merged_payload(plan: Plan, read: PartsRead) -> Payload:
-  """The sparse records read, merged per segment in segment positions (EMPTY elsewhere and for
-  dense units, which :func:`write_dense_units` writes)."""
-  keys: list[list] = [[] for _ in plan.segments]
-  values: list[list] = [[] for _ in plan.segments]
-  modes = [Mode.EMPTY] * len(plan.segments)
-  for unit, record in read.records:
-    if record.mode in (Mode.DENSE, Mode.EMPTY):
-      continue
-    s = unit.segment
-    key = record.indices if record.mode == Mode.BY_RANK else \
-        to_segment_positions(plan, unit, record.indices)
-    keys[s].append(key)
-    values[s].append(record.values)
-    modes[s] = record.mode if record.mode in (Mode.BY_RANK, Mode.BY_POSITION) else Mode.LIST
-  segments = []
-  for s, seg in enumerate(plan.segments):
-    if not keys[s]:
-      segments.append(SegmentPayload(Mode.EMPTY, np.zeros(0, np.int32), np.zeros(0, seg.bit_dtype)))
-      continue
-    key, value = keys[s][0], values[s][0]
-    if len(keys[s]) > 1 or np.any(key[1:] <= key[:-1]):  # (a unit of blocks maps unsorted)
-      key, value = np.concatenate(keys[s]), np.concatenate(values[s])
-      order = np.argsort(key, kind="stable")
-      key, value = key[order], value[order]
-    segments.append(SegmentPayload(modes[s], key.astype(np.int32, copy=False), value))
-  head = read.header
-  return Payload(head.kind, head.base_version, head.version, head.base_digest, head.new_digest,
-                 tuple(segments), head.format)
-
-
 def write_dense_units(plan: Plan, flat: list, read: PartsRead) -> list:
   """``flat`` with the dense records read written into this process's shards (the other
   leaves untouched)."""
   regions: dict[int, list] = {}
-  for unit, record in read.records:
-    if record.mode != Mode.DENSE:
-      continue
+  for unit, record in read.dense:
     seg = plan.segments[unit.segment]
     if seg.blocks == 1:
       for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):

@@ -12,8 +12,8 @@ whole tree.
 
 - Sender: :func:`sender_changes` diffs, takes the next snapshot and digests it (one program),
   then ranks the changes of the ordered segments (a second, on slots sized to the changes).
-- Receiver: :func:`receiver_inputs` pads a decoded payload's records to those slots on the
-  host; :func:`apply_inputs` turns ranks into positions and applies bits or ulp codes (two
+- Receiver: ``staging.py`` writes a decoded payload's records into those slots on the device;
+  :func:`apply_inputs` turns ranks into positions and applies bits or ulp codes (two
   programs: fused into one, XLA:CPU ran them 2x slower), in place when donated, and digests.
 
 >>> import jax.numpy as jnp, jsparse
@@ -40,7 +40,7 @@ from jsparse._src.core.units import local_value
 from jsparse._src.wire import block_ranks
 from jsparse._src.wire import ranks as ranks_lib
 from jsparse._src.wire import ulp_codes
-from jsparse._src.wire.payload import Coding, Format, Payload, ranked_segments
+from jsparse._src.wire.payload import Coding
 
 
 class DeviceChanges(NamedTuple):
@@ -63,7 +63,7 @@ class DeviceChanges(NamedTuple):
 
 
 class ReceiverInputs(NamedTuple):
-  """A decoded payload's sparse records as host arrays padded to :func:`slots_needed`.
+  """A decoded payload's sparse records in :func:`slots_needed` slots (from ``staging.py``).
 
   Attributes:
     keys: per segment, positions or ranks (the segment size in unused slots).
@@ -205,30 +205,6 @@ def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
     if all(int(c) <= n for c, n in zip(counts, slots)):
       return slots
   return tuple(seg.capacity for seg in plan.segments)
-
-
-def receiver_inputs(plan: Plan, payload: Payload, *, slot_counts=None,
-                    ranked: bool | None = None) -> ReceiverInputs:
-  """The sparse records of a decoded ``payload`` as :class:`ReceiverInputs`. A rollout process
-  of a multi-process job passes what every process shares: the ``slot_counts`` (per segment,
-  the changes of the whole version, which size the programs) and whether the ordered segments
-  are ``ranked``; by default both come from the payload."""
-  counts = np.array([p.count for p in payload.segments], np.int32)
-  slots = slots_needed(plan, counts if slot_counts is None else slot_counts)
-  keys, values = [], []
-  for seg, part, n, count in zip(plan.segments, payload.segments, slots, counts):
-    key = np.full(n, seg.size, np.int32)
-    value = np.zeros(n, seg.bit_dtype)
-    if count:
-      key[:count], value[:count] = part.indices, part.values
-    keys.append(key)
-    values.append(value)
-  if ranked is None:
-    ranked_flags = ranked_segments(plan, [p.mode for p in payload.segments])
-  else:
-    ranked_flags = tuple(seg.ordered and ranked for seg in plan.segments)
-  return ReceiverInputs(tuple(keys), tuple(values), counts, ranked_flags,
-                        payload.format == Format.COMPACT)
 
 
 def _positions(plan: Plan, layouts: tuple, ranked: tuple[bool, ...], flat: list, keys: tuple,

@@ -2,8 +2,8 @@
 
 ``receive`` decodes and validates the whole payload (``framing.decode``) before touching
 anything, then runs the stages of :meth:`Receiver.apply_payload`: check the base (versions,
-digest, layouts), write the dense records, pad the sparse ones into device inputs
-(``programs.receiver_inputs``), apply them in one device stage (``programs.apply_inputs``, in
+digest, layouts), write the dense records, stage the sparse ones on the device
+(``staging.receiver_inputs``), apply them in one device stage (``programs.apply_inputs``, in
 place when donated), and verify the digest of the result against the sender's.
 
 >>> import jax.numpy as jnp, jsparse
@@ -29,11 +29,11 @@ from jsparse._src.core.plan import Plan
 from jsparse._src.errors import IntegrityError, JsparseError, VersionError
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
-from jsparse._src.sync import programs
+from jsparse._src.sync import programs, staging
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, versioned_digest)
 from jsparse._src.wire import framing
-from jsparse._src.wire.payload import Kind, Mode, Payload
+from jsparse._src.wire.payload import Format, Kind, Mode, Payload
 
 
 class Receiver:
@@ -132,8 +132,8 @@ class Receiver:
     if all(p.mode == Mode.DENSE for p in payload.segments):
       digest = programs.leaves_digest(self.plan, flat, self._layouts)
     else:
-      flat, digest = programs.apply_inputs(self.plan, self._layouts, flat,
-                                           programs.receiver_inputs(self.plan, payload),
+      inputs = staging.receiver_inputs(self.plan, self._flat, payload)
+      flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
                                            donate=self._donate)
     self._verify_and_commit(payload, flat, digest_bytes(digest))
     return self.params
@@ -208,9 +208,9 @@ class Receiver:
     if not read.any_sparse:
       digest = programs.leaves_digest(self.plan, flat, self._layouts)
     else:
-      inputs = programs.receiver_inputs(self.plan, parts_lib.merged_payload(self.plan, read),
-                                        slot_counts=read.sparse_counts,
-                                        ranked=read.header.ranked)
+      inputs = read.staged.inputs(
+          ranked=tuple(seg.ordered and read.header.ranked for seg in self.plan.segments),
+          coded=read.header.format == Format.COMPACT, slot_counts=read.sparse_counts)
       flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
                                            donate=self._donate)
     self._verify_and_commit(read.header, flat, digest_bytes(digest))

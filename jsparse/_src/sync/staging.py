@@ -1,0 +1,154 @@
+"""A receiver's decoded sparse records, staged on its devices as they are decoded.
+
+The host holds the coded bytes and the records of what it is decoding now, never the decoded
+version: each record (a segment's, or a part's unit's) goes to the first device that holds its
+segment's leaves as soon as it is decoded, in blocks of at most :data:`MAX_BLOCK` changes (only
+a record's last block is padded, on the host). When every record is in,
+:meth:`StagedRecords.inputs` writes each segment's blocks into its slots (a small jitted
+scatter per block, compiled once per (slots, block) shape, in place) and replicates the slots
+over the devices of the segment's leaves: the :class:`~programs.ReceiverInputs` of the
+receiver's device stage, on the device already. A version that is refused is dropped with its
+staged blocks: nothing was written to the params.
+
+Records may arrive in any order, a segment's in several pieces (the units of a split leaf from
+several parts): the programs that take the slots look at each change on its own, so where a
+change lies in the slots does not matter.
+
+>>> import numpy as np, jax, jax.numpy as jnp, jsparse
+>>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, rollout_dtype=jnp.bfloat16)
+>>> staged = StagedRecords(plan, [jnp.zeros(1000, jnp.bfloat16)])
+>>> staged.add(0, np.array([3, 9], np.int32), np.array([1, 2], np.uint16))
+>>> inputs = staged.inputs(ranked=(False,), coded=False)
+>>> inputs.counts.tolist(), inputs.keys[0][:3].tolist(), inputs.values[0][:3].tolist()
+([2], [3, 9, 1000], [1, 2, 0])
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse._src.core.placement import replicated_on
+from jsparse._src.core.plan import Plan, Segment
+from jsparse._src.sync.programs import ReceiverInputs, slots_needed
+from jsparse._src.wire.payload import Format, Mode, Payload, ranked_segments
+
+MAX_BLOCK = 1 << 16  # changes per staged block: bounds the host's padding and the scatter
+
+
+def block_size(seg: Segment) -> int:
+  """Changes per staged block of ``seg``: at most :data:`MAX_BLOCK`, and no more than the
+  fewest slots a payload pads the segment to (its capacity halved 3 times)."""
+  return max(1, min(MAX_BLOCK, -(-seg.capacity // 8)))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _write_block(keys: jax.Array, values: jax.Array, block_keys: jax.Array,
+                 block_values: jax.Array, start: jax.Array, count: jax.Array) -> tuple:
+  """``keys``, ``values`` with the first ``count`` entries of a block written at ``start``."""
+  i = jnp.arange(block_keys.shape[0], dtype=jnp.int32)
+  at = jnp.where(i < count, start + i, keys.shape[0])  # past the slots: dropped
+  return keys.at[at].set(block_keys, mode="drop"), values.at[at].set(block_values, mode="drop")
+
+
+@jax.jit
+def _device_owned(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Copies in buffers of the device's own: XLA:CPU adopts an aligned host array as a device
+  buffer (whatever ``may_alias`` says), which would keep the decoded host arrays alive."""
+  return jnp.copy(keys), jnp.copy(values)
+
+
+def _replicated(x: jax.Array, sharding) -> jax.Array:
+  """``x`` (on one device) copied to every device of this process that ``sharding`` (a
+  replicated one) names, as one array: no data crosses processes."""
+  if sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  copies = [jax.device_put(x, d) for d in sharding.addressable_devices_indices_map(x.shape)]
+  return jax.make_array_from_single_device_arrays(x.shape, sharding, copies)
+
+
+class StagedRecords:
+  """One version's sparse records of a receiver, staged on its devices (see the module
+  docstring). :meth:`add` may be called from several threads.
+
+  Args:
+    plan: the plan.
+    flat: the receiver's leaves (where each segment's records go).
+  """
+
+  def __init__(self, plan: Plan, flat: Sequence[jax.Array]):
+    self.plan = plan
+    self._shardings = [replicated_on(flat[seg.leaf_ids[0]]) if seg.leaf_ids else None
+                       for seg in plan.segments]
+    self._blocks: list[list[tuple]] = [[] for _ in plan.segments]
+    self._counts = np.zeros(len(plan.segments), np.int64)
+    self._lock = threading.Lock()
+
+  @property
+  def counts(self) -> np.ndarray:
+    """Per segment, the changes staged so far."""
+    return self._counts.copy()
+
+  def add(self, segment: int, keys: np.ndarray, values: np.ndarray) -> None:
+    """Stages changes of ``segment``: ``keys`` (positions or ranks in the segment's index
+    space, any order), ``values`` (new bits or ulp codes)."""
+    seg = self.plan.segments[segment]
+    size = block_size(seg)
+    device = next(iter(self._shardings[segment].addressable_devices_indices_map((0,))))
+    blocks = []
+    for i in range(0, len(keys), size):
+      count = min(size, len(keys) - i)
+      block_keys = np.asarray(keys[i:i + size], np.int32)
+      block_values = np.asarray(values[i:i + size], seg.bit_dtype)
+      if count < size:  # the last block: padded on the host (the padding is never written)
+        block_keys = np.pad(block_keys, (0, size - count))
+        block_values = np.pad(block_values, (0, size - count))
+      blocks.append((*_device_owned(jax.device_put(block_keys, device),
+                                    jax.device_put(block_values, device)), count))
+    jax.block_until_ready(blocks)  # then the host arrays are free
+    with self._lock:
+      self._blocks[segment] += blocks
+      self._counts[segment] += len(keys)
+
+  def inputs(self, *, ranked: Sequence[bool], coded: bool, slot_counts=None) -> ReceiverInputs:
+    """The :class:`~programs.ReceiverInputs` of the staged records, on the devices. Slots are
+    sized by ``slot_counts`` (per segment, the changes of the whole version, which a rollout
+    process of a multi-process job shares with the others whatever it read), by default by
+    the changes staged here. ``ranked``: per segment, whether its keys are ranks; ``coded``:
+    whether the values are ulp codes."""
+    counts = self._counts.astype(np.int32)
+    slots = slots_needed(self.plan, counts if slot_counts is None else slot_counts)
+    keys, values = [], []
+    for s, (seg, n) in enumerate(zip(self.plan.segments, slots)):
+      if self._shardings[s] is None:  # a segment of no elements
+        keys.append(jnp.zeros((0,), jnp.int32))
+        values.append(jnp.zeros((0,), seg.bit_dtype))
+        continue
+      device = next(iter(self._shardings[s].addressable_devices_indices_map((n,))))
+      key = jnp.full((n,), seg.size, jnp.int32, device=device)
+      value = jnp.zeros((n,), seg.bit_dtype, device=device)
+      start = 0
+      for block_keys, block_values, count in self._blocks[s]:
+        key, value = _write_block(key, value, block_keys, block_values, np.int32(start),
+                                  np.int32(count))
+        start += count
+      keys.append(_replicated(key, self._shardings[s]))
+      values.append(_replicated(value, self._shardings[s]))
+    self._blocks = [[] for _ in self.plan.segments]  # the slots hold them now
+    return ReceiverInputs(tuple(keys), tuple(values), counts, tuple(ranked), coded)
+
+
+def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], payload: Payload) -> ReceiverInputs:
+  """The :class:`~programs.ReceiverInputs` of a decoded whole ``payload`` for a receiver
+  holding ``flat``: its sparse records staged segment by segment."""
+  staged = StagedRecords(plan, flat)
+  for s, record in enumerate(payload.segments):
+    if record.mode not in (Mode.DENSE, Mode.EMPTY) and record.count:
+      staged.add(s, record.indices, record.values)
+  return staged.inputs(ranked=ranked_segments(plan, [p.mode for p in payload.segments]),
+                       coded=payload.format == Format.COMPACT)
