@@ -305,11 +305,12 @@ def print_coding_rates(rows: dict) -> None:
 
 def host_memory(plan: jsparse.Plan, before, after,
                 codings: Sequence[str] = ("ranked", "positioned", "lists"),
-                chunk_bytes: int = 8 << 20) -> dict:
+                chunk_bytes: Sequence[int] = (8 << 20, 1 << 20)) -> dict:
   """Peak host memory of one sync, per coding, against its payload: Python and NumPy
   allocations traced by ``tracemalloc`` (device buffers, and the host copies XLA:CPU makes
   itself, are not counted) during a whole ``send``, a whole ``receive``, and a streamed version
-  (``send_stream`` in parts of ``chunk_bytes``, each added to a ``ReceiveStream`` as it comes)."""
+  for each of ``chunk_bytes`` (``send_stream`` in parts of that size, each added to a
+  ``ReceiveStream`` as it comes: rows ``stream <MiB>``)."""
   import tracemalloc
   rows = {}
   for coding in codings:
@@ -326,24 +327,25 @@ def host_memory(plan: jsparse.Plan, before, after,
     receiver.receive(data)
     receive_peak = tracemalloc.get_traced_memory()[1] - held
     tracemalloc.stop()
-    sender, receiver = fresh()
-    tracemalloc.start()
-    stream = receiver.open_stream()
-    for part in sender.send_stream(after, chunk_bytes=chunk_bytes):
-      stream.add(part)
-    stream.commit()
-    stream_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
     rows[coding] = {"payload": len(data), "changed": sender.last_stats.changed,
-                    "send": send_peak, "receive": receive_peak, "stream": stream_peak}
+                    "send": send_peak, "receive": receive_peak}
+    for size in chunk_bytes:
+      sender, receiver = fresh()
+      tracemalloc.start()
+      stream = receiver.open_stream()
+      for part in sender.send_stream(after, chunk_bytes=size):
+        stream.add(part)
+      stream.commit()
+      rows[coding][f"stream {size / 2**20:g}"] = tracemalloc.get_traced_memory()[1]
+      tracemalloc.stop()
   return rows
 
 
 def print_host_memory(rows: dict) -> None:
   first = next(iter(rows.values()))
   print(f"peak host memory of one sync ({first['changed']:,} changes; traced Python/NumPy "
-        "allocations), MB and x the payload")
+        "allocations; streams in parts of <MiB>), MB and x the payload")
   for coding, r in rows.items():
     cells = "  ".join(f"{what} {r[what] / 1e6:.1f} ({r[what] / r['payload']:.1f}x)"
-                      for what in ("send", "receive", "stream"))
+                      for what in r if what not in ("payload", "changed"))
     print(f"  {coding:>10}: payload {r['payload'] / 1e6:.2f} MB; {cells}")

@@ -57,12 +57,13 @@ def decode(plan: Plan, data: bytes) -> Payload:
   """
   if not isinstance(data, (bytes, bytearray, memoryview)):
     raise PayloadError(f"payload must be bytes, got {type(data).__name__}")
-  data = bytes(data)
+  data = bytes(data)  # immutable (no copy of bytes): decoded arrays may view it
   if len(data) < HEADER.size + _CRC.size:
     raise PayloadError(f"payload truncated: {len(data)} bytes is shorter than a header")
   if data[:4] != MAGIC:
     raise PayloadError("not a jsparse payload (bad magic)")
-  body, (crc,) = data[:-_CRC.size], _CRC.unpack(data[-_CRC.size:])
+  # Read through a view: slicing the bytes would copy the payload, and each stream again.
+  body, (crc,) = memoryview(data)[:-_CRC.size], _CRC.unpack(data[-_CRC.size:])
   if zlib.crc32(body) != crc:
     raise PayloadError("payload checksum mismatch: corrupted or truncated")
   reader = Reader(body)
