@@ -42,9 +42,9 @@ MAX_BLOCK = 1 << 16  # changes per staged block: bounds the host's padding and t
 
 
 def block_size(seg: Segment) -> int:
-  """Changes per staged block of ``seg``: at most :data:`MAX_BLOCK`, and no more than the
-  fewest slots a payload pads the segment to (its capacity halved 3 times)."""
-  return max(1, min(MAX_BLOCK, -(-seg.capacity // 8)))
+  """Changes per staged block of ``seg``: :data:`MAX_BLOCK`, or its capacity if smaller. Few
+  blocks, few calls: a record's padding is less than a block (at most 384 KiB)."""
+  return max(1, min(MAX_BLOCK, seg.capacity))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -56,10 +56,18 @@ def _write_block(keys: jax.Array, values: jax.Array, block_keys: jax.Array,
   return keys.at[at].set(block_keys, mode="drop"), values.at[at].set(block_values, mode="drop")
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _empty_slots(slots: int, fill: int, dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
+  """Slots of skipped changes: keys ``fill`` (out of range), values 0."""
+  return jnp.full((slots,), fill, jnp.int32), jnp.zeros((slots,), dtype)
+
+
 @jax.jit
 def _device_owned(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Copies in buffers of the device's own: XLA:CPU adopts an aligned host array as a device
-  buffer (whatever ``may_alias`` says), which would keep the decoded host arrays alive."""
+  """Host arrays moved to the device, in buffers of the device's own (one call: the transfer
+  and a copy). ``jax.device_put`` alone would not do on XLA:CPU, which adopts an aligned host
+  array as a device buffer (whatever ``may_alias`` says) and so keeps the decoded host arrays,
+  or the whole array a block is a view of, alive."""
   return jnp.copy(keys), jnp.copy(values)
 
 
@@ -108,8 +116,8 @@ class StagedRecords:
       if count < size:  # the last block: padded on the host (the padding is never written)
         block_keys = np.pad(block_keys, (0, size - count))
         block_values = np.pad(block_values, (0, size - count))
-      blocks.append((*_device_owned(jax.device_put(block_keys, device),
-                                    jax.device_put(block_values, device)), count))
+      with jax.default_device(device):  # one call: the transfer and the copy
+        blocks.append((*_device_owned(block_keys, block_values), count))
     jax.block_until_ready(blocks)  # then the host arrays are free
     with self._lock:
       self._blocks[segment] += blocks
@@ -130,13 +138,13 @@ class StagedRecords:
         values.append(jnp.zeros((0,), seg.bit_dtype))
         continue
       device = next(iter(self._shardings[s].addressable_devices_indices_map((n,))))
-      key = jnp.full((n,), seg.size, jnp.int32, device=device)
-      value = jnp.zeros((n,), seg.bit_dtype, device=device)
-      start = 0
-      for block_keys, block_values, count in self._blocks[s]:
-        key, value = _write_block(key, value, block_keys, block_values, np.int32(start),
-                                  np.int32(count))
-        start += count
+      with jax.default_device(device):  # the staged blocks' device
+        key, value = _empty_slots(n, seg.size, seg.bit_dtype)
+        start = 0
+        for block_keys, block_values, count in self._blocks[s]:
+          key, value = _write_block(key, value, block_keys, block_values, np.int32(start),
+                                    np.int32(count))
+          start += count
       keys.append(_replicated(key, self._shardings[s]))
       values.append(_replicated(value, self._shardings[s]))
     self._blocks = [[] for _ in self.plan.segments]  # the slots hold them now
