@@ -1,10 +1,11 @@
 """The rollout side of a sync: :class:`Receiver` applies payloads to its params.
 
-``receive`` decodes and validates the whole payload (``framing.decode``) before touching
-anything, then runs the stages of :meth:`Receiver.apply_payload`: check the base (versions,
-digest, layouts), write the dense records, stage the sparse ones on the device
-(``staging.receiver_inputs``), apply them in one device stage (``programs.apply_inputs``, in
-place when donated), and verify the digest of the result against the sender's.
+``receive`` checks the payload's checksum and header and its base (versions, digest), then
+decodes and validates it a segment at a time (``framing.decode_lazily``), staging each sparse
+record on the device as it is decoded (``staging.py``) and keeping the dense ones; once all
+are in, it writes the dense records, applies the sparse ones in one device stage
+(``programs.apply_inputs``, in place when donated), and verifies the digest of the result
+against the sender's. Nothing is written before the last record is in and checked.
 
 >>> import jax.numpy as jnp, jsparse
 >>> params = {'w': jnp.zeros((1000,), jnp.float32)}
@@ -18,9 +19,10 @@ place when donated), and verify the digest of the result against the sender's.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import jax
+import numpy as np
 
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.placement import commit_leaves, layouts_of, owned_leaves
@@ -33,7 +35,8 @@ from jsparse._src.sync import programs, staging
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, versioned_digest)
 from jsparse._src.wire import framing
-from jsparse._src.wire.payload import Format, Kind, Mode, Payload
+from jsparse._src.wire.payload import (Format, Kind, Mode, Payload, SegmentPayload,
+                                       ranked_segments)
 
 
 class Receiver:
@@ -122,20 +125,29 @@ class Receiver:
         the result does not match the sender's digest (see the class docstring).
       Except for a donating receiver's failed end-to-end check, nothing was changed.
     """
-    return self.apply_payload(framing.decode(self.plan, data))
+    header, records = framing.decode_lazily(self.plan, data)
+    return self._apply_records(header, records)
 
-  @mesh_neutral
   def apply_payload(self, payload: Payload) -> PyTree:
     """:meth:`receive` for an already decoded (and validated) payload."""
-    self._check_base(payload)
-    flat = self._write_dense(payload)
-    if all(p.mode == Mode.DENSE for p in payload.segments):
+    return self._apply_records(payload, payload.segments)
+
+  @mesh_neutral
+  def _apply_records(self, header: Payload, records: Iterable[SegmentPayload]) -> PyTree:
+    """Applies a payload whose ``header`` (versions, digests, format) is checked and whose
+    ``records`` are taken one at a time: each sparse one is staged on the devices as it comes
+    (``staging.py``), and nothing is written before the last has come."""
+    self._check_base(header)
+    staged, dense, modes = staging.stage_records(self.plan, self._flat, records)
+    flat = self._write_dense(dense)
+    if all(mode == Mode.DENSE for mode in modes):
       digest = programs.leaves_digest(self.plan, flat, self._layouts)
     else:
-      inputs = staging.receiver_inputs(self.plan, self._flat, payload)
+      inputs = staged.inputs(ranked=ranked_segments(self.plan, modes),
+                             coded=header.format == Format.COMPACT)
       flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
                                            donate=self._donate)
-    self._verify_and_commit(payload, flat, digest_bytes(digest))
+    self._verify_and_commit(header, flat, digest_bytes(digest))
     return self.params
 
   def receive_parts(self, parts: Sequence) -> PyTree:
@@ -229,16 +241,15 @@ class Receiver:
         raise IntegrityError(f"this receiver's params differ from the sender's version "
                              f"{self.version}: resync with an anchor (sender.send(p, full=True))")
 
-  def _write_dense(self, payload: Payload) -> list:
-    """The leaves with every dense record written (dense segments have no sparse entries)."""
+  def _write_dense(self, dense: dict[int, np.ndarray]) -> list:
+    """The leaves with every dense record (segment → its bits) written (dense segments have no
+    sparse entries)."""
     flat = list(self._flat)
-    for s, part in enumerate(payload.segments):
-      if part.mode != Mode.DENSE:
-        continue
+    for s, values in dense.items():
       seg = self.plan.segments[s]
       for leaf_id, offset in zip(seg.leaf_ids, seg.offsets):
         leaf = self.plan.leaves[leaf_id]
-        host = bits_lib.np_from_bits(part.values[offset:offset + leaf.size], leaf.rollout_dtype)
+        host = bits_lib.np_from_bits(values[offset:offset + leaf.size], leaf.rollout_dtype)
         flat[leaf_id] = jax.device_put(host.reshape(leaf.shape), self._flat[leaf_id].sharding)
     return flat
 

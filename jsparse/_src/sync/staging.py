@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ import numpy as np
 from jsparse._src.core.placement import replicated_on
 from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.sync.programs import ReceiverInputs, slots_needed
-from jsparse._src.wire.payload import Format, Mode, Payload, ranked_segments
+from jsparse._src.wire.payload import Format, Mode, Payload, SegmentPayload, ranked_segments
 
 MAX_BLOCK = 1 << 16  # changes per staged block: bounds the host's padding and the scatter
 
@@ -151,12 +151,25 @@ class StagedRecords:
     return ReceiverInputs(tuple(keys), tuple(values), counts, tuple(ranked), coded)
 
 
-def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], payload: Payload) -> ReceiverInputs:
-  """The :class:`~programs.ReceiverInputs` of a decoded whole ``payload`` for a receiver
-  holding ``flat``: its sparse records staged segment by segment."""
+def stage_records(plan: Plan, flat: Sequence[jax.Array], records: Iterable[SegmentPayload]
+                  ) -> tuple[StagedRecords, dict[int, np.ndarray], tuple[Mode, ...]]:
+  """A whole payload's records for a receiver holding ``flat``, taken one at a time (e.g. as
+  ``framing.decode_lazily`` decodes them): the sparse ones staged, the dense ones returned by
+  segment, and every record's mode."""
   staged = StagedRecords(plan, flat)
-  for s, record in enumerate(payload.segments):
-    if record.mode not in (Mode.DENSE, Mode.EMPTY) and record.count:
+  dense, modes = {}, []
+  for s, record in enumerate(records):
+    modes.append(record.mode)
+    if record.mode == Mode.DENSE:
+      dense[s] = record.values
+    elif record.mode != Mode.EMPTY and record.count:
       staged.add(s, record.indices, record.values)
-  return staged.inputs(ranked=ranked_segments(plan, [p.mode for p in payload.segments]),
+  return staged, dense, tuple(modes)
+
+
+def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], payload: Payload) -> ReceiverInputs:
+  """The :class:`~programs.ReceiverInputs` of a decoded whole ``payload``'s sparse records for
+  a receiver holding ``flat``."""
+  staged, _, modes = stage_records(plan, flat, payload.segments)
+  return staged.inputs(ranked=ranked_segments(plan, modes),
                        coded=payload.format == Format.COMPACT)

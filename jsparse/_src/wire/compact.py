@@ -23,12 +23,12 @@ allocate or hang), then every count, key and code.
 from __future__ import annotations
 
 import struct
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import zstandard
 
-from jsparse._src.core.plan import Plan
+from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.errors import PayloadError
 from jsparse._src.wire import ulp_codes
 from jsparse._src.wire.payload import RECORD, Mode, SegmentPayload
@@ -86,15 +86,25 @@ def varint_decode(data: bytes, count: int, what: str, limit: int,
       or one at or above ``limit``.
   """
   raw = np.frombuffer(data, np.uint8)
+  values, end = _varints(raw, 0, count, what, limit, dtype)
+  if end != len(raw):
+    raise PayloadError(f"{what}: expected {count} varints in {len(raw)} bytes")
+  return values
+
+
+def _varints(raw: np.ndarray, start: int, count: int, what: str, limit: int,
+             dtype: np.dtype) -> tuple[np.ndarray, int]:
+  """The ``count`` varints that start at byte ``start`` of ``raw`` (see :func:`varint_decode`),
+  and where the next one starts."""
   max_bytes = _varint_bytes(limit - 1)
   values = np.zeros(count, dtype)
-  done, start = 0, 0  # varints decoded, where the next one starts
-  for window in range(0, len(raw), _BLOCK):
-    ends = np.flatnonzero(raw[window:window + _BLOCK] < 0x80) + window
+  done = 0  # varints decoded; ``start``: where the next one starts
+  for window in range(start, len(raw), _BLOCK):
+    if done == count:
+      break
+    ends = np.flatnonzero(raw[window:window + _BLOCK] < 0x80)[:count - done] + window
     if not len(ends):
       continue
-    if done + len(ends) > count:
-      break
     starts = np.concatenate([[start], ends[:-1] + 1])
     lengths = ends - starts + 1
     if lengths.max() > max_bytes:
@@ -114,9 +124,9 @@ def varint_decode(data: bytes, count: int, what: str, limit: int,
       raise PayloadError(f"{what}: a value at or above {limit}")
     values[done:done + len(ends)] = block
     done, start = done + len(ends), int(ends[-1]) + 1
-  if done != count or start != len(raw):
+  if done != count:
     raise PayloadError(f"{what}: expected {count} varints in {len(raw)} bytes")
-  return values
+  return values, start
 
 
 def _varint_bytes(value: int) -> int:
@@ -195,47 +205,65 @@ def _segment_table(plan: Plan, reader: Reader) -> list[tuple[Mode, int]]:
 def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
   """Inverse of :func:`encode_body`. Lengths, counts and code widths are checked while parsing;
   ``payload.check_records`` checks the rest."""
+  return tuple(iter_body(plan, reader))
+
+
+def iter_body(plan: Plan, reader: Reader) -> Iterator[SegmentPayload]:
+  """:func:`decode_body` a segment at a time: the streams are decompressed first, then each
+  segment's changes are parsed as it is asked for, so only one segment's records are
+  decoded at once (the streams are checked to the end after the last)."""
   table = _segment_table(plan, reader)
   total = sum(count for mode, count in table if mode not in (Mode.EMPTY, Mode.DENSE))
-  gaps = varint_decode(_unpack_stream(reader, "gaps stream", _varint_bytes(2**31) * total),
-                       total, "gaps stream", 2**31, np.uint32)
+  gaps = np.frombuffer(_unpack_stream(reader, "gaps stream", _varint_bytes(2**31) * total),
+                       np.uint8)
   code_bytes = np.frombuffer(_unpack_stream(reader, "codes stream", total), np.uint8)
   if len(code_bytes) != total:
     raise PayloadError(f"codes stream: {len(code_bytes)} codes for {total} changes")
   num_escaped = int(np.count_nonzero(code_bytes == _ESCAPE))
-  escapes = varint_decode(
-      _unpack_stream(reader, "escapes stream", _MAX_VARINT_BYTES * num_escaped), num_escaped,
-      "escapes stream", 2**64 - _ESCAPE)
-  escaped_before = 0
-  all_keys = gaps.view(np.int32)  # each block of gaps becomes its keys in place (< 2**31)
-  segments, at = [], 0
+  escapes = np.frombuffer(
+      _unpack_stream(reader, "escapes stream", _MAX_VARINT_BYTES * num_escaped), np.uint8)
+  at, gaps_at, escapes_at = 0, 0, 0  # changes, gap bytes and escape bytes read
   for s, (seg, (mode, count)) in enumerate(zip(plan.segments, table)):
     where = plan.describe_segment(s)
     if mode == Mode.DENSE:
       raw = reader.take(count * seg.bit_dtype.itemsize, where)
       dense = np.frombuffer(raw, seg.bit_dtype.newbyteorder("<")).astype(seg.bit_dtype)
-      segments.append(SegmentPayload(Mode.DENSE, None, dense))
+      yield SegmentPayload(Mode.DENSE, None, dense)
       continue
     if mode == Mode.EMPTY:
-      segments.append(SegmentPayload(Mode.EMPTY, np.zeros(0, np.int32),
-                                     np.zeros(0, seg.bit_dtype)))
+      yield SegmentPayload(Mode.EMPTY, np.zeros(0, np.int32), np.zeros(0, seg.bit_dtype))
       continue
-    values = np.empty(count, seg.bit_dtype)
-    last = -1
-    for i in range(0, count, _BLOCK):  # a block of changes at a time: bounded temporaries
-      stop = at + min(i + _BLOCK, count)
-      block = np.cumsum(gaps[at + i:stop].astype(np.int64) + 1) + last
-      if block[-1] >= seg.size:
-        raise PayloadError(f"{where}: key {block[-1]} out of range (size {seg.size})")
-      all_keys[at + i:stop], last = block, int(block[-1])
-      codes = code_bytes[at + i:stop].astype(np.uint64)
-      escaped = codes == _ESCAPE
-      num = int(np.count_nonzero(escaped))
-      codes[escaped] += escapes[escaped_before:escaped_before + num]
-      escaped_before += num
-      if int(codes.max()) > np.iinfo(seg.bit_dtype).max:
-        raise PayloadError(f"{where}: an ulp code wider than {seg.bit_dtype}")
-      values[i:i + _BLOCK] = ulp_codes.unzigzag(codes.astype(seg.bit_dtype))
-    segments.append(SegmentPayload(mode, all_keys[at:at + count], values))
+    segment_gaps, gaps_at = _varints(gaps, gaps_at, count, "gaps stream", 2**31, np.uint32)
+    codes = code_bytes[at:at + count]
+    segment_escapes, escapes_at = _varints(escapes, escapes_at,
+                                           int(np.count_nonzero(codes == _ESCAPE)),
+                                           "escapes stream", 2**64 - _ESCAPE, np.uint64)
+    yield _segment_changes(seg, where, mode, segment_gaps, codes, segment_escapes)
     at += count
-  return tuple(segments)
+  for what, stream, read in (("gaps stream", gaps, gaps_at),
+                             ("escapes stream", escapes, escapes_at)):
+    if read != len(stream):
+      raise PayloadError(f"{what}: {len(stream) - read} bytes past its last varint")
+
+
+def _segment_changes(seg: Segment, where: str, mode: Mode, gaps: np.ndarray,
+                     code_bytes: np.ndarray, escapes: np.ndarray) -> SegmentPayload:
+  """One segment's record from its gaps, code bytes and escapes."""
+  count = len(gaps)
+  keys = gaps.view(np.int32)  # each block of gaps becomes its keys in place (< 2**31)
+  values = np.empty(count, seg.bit_dtype)
+  last, escaped_before = -1, 0
+  for i in range(0, count, _BLOCK):  # a block of changes at a time: bounded temporaries
+    block = np.cumsum(gaps[i:i + _BLOCK].astype(np.int64) + 1) + last
+    if block[-1] >= seg.size:
+      raise PayloadError(f"{where}: key {block[-1]} out of range (size {seg.size})")
+    keys[i:i + _BLOCK], last = block, int(block[-1])
+    codes = code_bytes[i:i + _BLOCK].astype(np.uint64)
+    escaped = codes == _ESCAPE
+    num = int(np.count_nonzero(escaped))
+    codes[escaped] += escapes[escaped_before:escaped_before + num]
+    escaped_before += num
+    if int(codes.max()) > np.iinfo(seg.bit_dtype).max:
+      raise PayloadError(f"{where}: an ulp code wider than {seg.bit_dtype}")
+    values[i:i + _BLOCK] = ulp_codes.unzigzag(codes.astype(seg.bit_dtype))
+  return SegmentPayload(mode, keys, values)

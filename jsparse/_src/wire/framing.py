@@ -10,7 +10,8 @@ Layout, little-endian::
 
 :func:`decode` checks everything (the checksum first, every length before it allocates, then
 :func:`~jsparse._src.wire.payload.check_records`) before returning, so a payload that decodes
-can be applied without further failure.
+can be applied without further failure. :func:`decode_lazily` does the same a segment at a
+time, for a receiver that moves each record to its devices as it is decoded.
 
 >>> import numpy as np, jax.numpy as jnp, jsparse
 >>> from jsparse._src.wire.payload import Format, Kind, Mode, Payload, SegmentPayload
@@ -23,13 +24,16 @@ can be applied without further failure.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
+from typing import Iterator
 
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import PayloadError
 from jsparse._src.wire import compact, lists
-from jsparse._src.wire.payload import Format, Kind, Payload, check_records
+from jsparse._src.wire.payload import (Format, Kind, Payload, SegmentPayload, check_modes,
+                                       check_record, check_versions)
 from jsparse._src.wire.reader import Reader
 
 MAGIC = b"JSPS"
@@ -55,6 +59,20 @@ def decode(plan: Plan, data: bytes) -> Payload:
       format or plan, bad checksum, truncation, trailing bytes, indices out of range, unsorted
       or duplicated, counts over capacity.
   """
+  header, records = decode_lazily(plan, data)
+  return dataclasses.replace(header, segments=tuple(records))
+
+
+def decode_lazily(plan: Plan, data: bytes) -> tuple[Payload, Iterator[SegmentPayload]]:
+  """:func:`decode` a segment at a time: the header (a :class:`Payload` without segments), its
+  checksum and versions checked, and an iterator of the segments' records, each decoded and
+  checked as it is asked for. A caller must iterate to the end before using any record: the
+  checks that span the payload (its trailing bytes, ranks mixed with positions) run after
+  the last. Only one segment's records need be on the host at a time.
+
+  Raises:
+    PayloadError: as :func:`decode`, from this call or while iterating.
+  """
   if not isinstance(data, (bytes, bytearray, memoryview)):
     raise PayloadError(f"payload must be bytes, got {type(data).__name__}")
   data = bytes(data)  # immutable (no copy of bytes): decoded arrays may view it
@@ -77,8 +95,17 @@ def decode(plan: Plan, data: bytes) -> Payload:
     raise PayloadError("payload was made for another plan (fingerprint differs)")
   if num_segments != len(plan.segments):
     raise PayloadError(f"payload has {num_segments} segments, the plan {len(plan.segments)}")
-  segments = _BODIES[Format(fmt)].decode_body(plan, reader)
+  header = Payload(Kind(kind), base_version, version, base_digest, new_digest, (), Format(fmt))
+  check_versions(header)
+  return header, _checked_records(plan, header, reader)
+
+
+def _checked_records(plan: Plan, header: Payload, reader: Reader) -> Iterator[SegmentPayload]:
+  modes = []
+  for s, record in enumerate(_BODIES[header.format].iter_body(plan, reader)):
+    check_record(plan, header, s, record)
+    modes.append(record.mode)
+    yield record
   if reader.remaining:
     raise PayloadError(f"{reader.remaining} unexpected bytes after the last segment")
-  return check_records(plan, Payload(Kind(kind), base_version, version, base_digest,
-                                     new_digest, segments, Format(fmt)))
+  check_modes(plan, modes)

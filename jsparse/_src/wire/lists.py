@@ -22,7 +22,7 @@ Values are the rollout bit patterns, little-endian. The receiver needs no pass o
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -61,7 +61,12 @@ def encode_body(plan: Plan, segments: Sequence[SegmentPayload]) -> bytes:
 def decode_body(plan: Plan, reader: Reader) -> tuple[SegmentPayload, ...]:
   """Inverse of :func:`encode_body`. Lengths and counts are checked while parsing;
   ``payload.check_records`` checks the rest."""
-  return tuple(_decode_segment(plan, reader, s) for s in range(len(plan.segments)))
+  return tuple(iter_body(plan, reader))
+
+
+def iter_body(plan: Plan, reader: Reader) -> Iterator[SegmentPayload]:
+  """:func:`decode_body` a segment at a time, as it is asked for."""
+  return (_decode_segment(plan, reader, s) for s in range(len(plan.segments)))
 
 
 def _decode_segment(plan: Plan, reader: Reader, s: int) -> SegmentPayload:

@@ -209,38 +209,55 @@ def check_records(plan: Plan, payload: Payload) -> Payload:
   if len(payload.segments) != len(plan.segments):
     raise PayloadError(f"payload has {len(payload.segments)} segments, the plan "
                        f"{len(plan.segments)}")
+  check_versions(payload)
+  for s, part in enumerate(payload.segments):
+    check_record(plan, payload, s, part)
+  check_modes(plan, [p.mode for p in payload.segments])
+  return payload
+
+
+def check_versions(payload: Payload) -> None:
+  """Raises unless the payload's versions increase and stay below 2**63."""
   if not 0 <= payload.base_version < payload.version < MAX_VERSION:
     raise PayloadError(f"payload turns version {payload.base_version} into {payload.version}: "
                        f"versions must increase and stay below 2**63")
-  allowed = FORMAT_MODES[payload.format]
-  for s, (seg, part) in enumerate(zip(plan.segments, payload.segments)):
-    where = plan.describe_segment(s)
-    if part.mode not in allowed:
-      raise PayloadError(f"{where}: mode {part.mode} is not one of format {payload.format}")
-    if np.dtype(part.values.dtype) != seg.bit_dtype:
-      raise PayloadError(f"{where}: values are {part.values.dtype}, expected {seg.bit_dtype}")
-    if part.mode == Mode.DENSE:
-      if part.indices is not None or len(part.values) != seg.size:
-        raise PayloadError(f"{where}: a dense record of {len(part.values)} elements, the "
-                           f"segment has {seg.size}")
-      continue
-    if payload.kind == Kind.ANCHOR:
-      raise PayloadError("an anchor payload must carry every segment densely")
-    indices = part.indices
-    if part.mode == Mode.EMPTY and len(indices):
-      raise PayloadError(f"{where}: an empty record with {len(indices)} changes")
-    if len(indices) != len(part.values) or len(indices) > seg.capacity:
-      raise PayloadError(f"{where}: {len(indices)} indices, {len(part.values)} values, "
-                         f"capacity {seg.capacity}")
-    if part.mode == Mode.BY_RANK and not seg.ordered:
-      raise PayloadError(f"{where}: ranks in exponent order for a segment without that order")
-    if len(indices) and (indices[0] < 0 or indices[-1] >= seg.size
-                         or np.any(np.diff(indices) <= 0)):
-      kind = "ranks" if part.mode == Mode.BY_RANK else "positions"
-      raise PayloadError(f"{where}: {kind} out of range [0, {seg.size}), unsorted or repeated")
-  modes = [p.mode for p in payload.segments]
+
+
+def check_record(plan: Plan, payload: Payload, s: int, part: SegmentPayload) -> None:
+  """Raises unless ``part`` is a well-formed record of segment ``s`` in a payload of
+  ``payload``'s format and kind (its segments are not looked at): see
+  :func:`check_records`."""
+  seg = plan.segments[s]
+  where = plan.describe_segment(s)
+  if part.mode not in FORMAT_MODES[payload.format]:
+    raise PayloadError(f"{where}: mode {part.mode} is not one of format {payload.format}")
+  if np.dtype(part.values.dtype) != seg.bit_dtype:
+    raise PayloadError(f"{where}: values are {part.values.dtype}, expected {seg.bit_dtype}")
+  if part.mode == Mode.DENSE:
+    if part.indices is not None or len(part.values) != seg.size:
+      raise PayloadError(f"{where}: a dense record of {len(part.values)} elements, the "
+                         f"segment has {seg.size}")
+    return
+  if payload.kind == Kind.ANCHOR:
+    raise PayloadError("an anchor payload must carry every segment densely")
+  indices = part.indices
+  if part.mode == Mode.EMPTY and len(indices):
+    raise PayloadError(f"{where}: an empty record with {len(indices)} changes")
+  if len(indices) != len(part.values) or len(indices) > seg.capacity:
+    raise PayloadError(f"{where}: {len(indices)} indices, {len(part.values)} values, "
+                       f"capacity {seg.capacity}")
+  if part.mode == Mode.BY_RANK and not seg.ordered:
+    raise PayloadError(f"{where}: ranks in exponent order for a segment without that order")
+  if len(indices) and (indices[0] < 0 or indices[-1] >= seg.size
+                       or np.any(np.diff(indices) <= 0)):
+    kind = "ranks" if part.mode == Mode.BY_RANK else "positions"
+    raise PayloadError(f"{where}: {kind} out of range [0, {seg.size}), unsorted or repeated")
+
+
+def check_modes(plan: Plan, modes: Sequence[Mode]) -> None:
+  """Raises if the records' ``modes`` name changes by rank in some ordered segments and by
+  position in others."""
   if Mode.BY_RANK in modes and any(m == Mode.BY_POSITION and seg.ordered
                                    for seg, m in zip(plan.segments, modes)):
     raise PayloadError("a payload names changes by rank in some ordered segments and by "
                        "position in others")
-  return payload
