@@ -120,12 +120,15 @@ def test_a_killed_rollout_resumes_from_its_saved_state(scenario):
 def test_a_restarted_trainer_publishes_an_anchor_newer_than_all_it_had(scenario):
   saved = scenario["trainer_saved"]
   # Parts whose owner died may still be served (Ray 2.60 on one node usually does) or be lost
-  # (seen once in 10 runs under load): the lagging rollout then stops at the last version it
-  # could apply whole (the anchor of 13), never at a half-applied one.
-  assert saved == 11 and scenario["trainer_killed"]["version"] in (13, 15)
+  # (seen in about 1 run of 10 under load): the lagging rollout then stops at the last version
+  # it could apply whole, never at a half-applied one: the anchor of 13, or 11 if the parts of
+  # 12-15 are all lost.
+  lagged_at = scenario["trainer_killed"]["version"]
+  assert saved == 11 and lagged_at in (11, 13, 15)
   _identical(scenario["after_trainer_restart"], 16)  # not 12 again: rollouts stay consistent
   tp4, tp2 = scenario["after_trainer_restart"][1]
-  assert tp2["anchors"] == 4  # joined, lagged (7), lagged (13), the restart (16)
+  # joined, lagged (7), lagged (13) unless lost, the restart (16)
+  assert tp2["anchors"] == (3 if lagged_at == 11 else 4)
   assert tp4["anchors"] == 1  # counted since its own restart: the restart (16)
 
 
