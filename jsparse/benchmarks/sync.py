@@ -194,8 +194,8 @@ def stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any, d
                 repeats: int = 5) -> dict:
   """Seconds of a sync's four stages (best of ``repeats``): the sender's device stage
   (``diff``), host records and bytes (``host_encode``), host decoding into device inputs
-  (``host_decode``: the records staged on the device included), the receiver's device stage (``device_apply``). ``data``: the payload
-  of this update."""
+  (``host_decode``: the records staged on the device included), the receiver's device stage
+  (``device_apply``). ``data``: the payload of this update."""
   flat = jax.tree.leaves(after)
   fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
   device_stage = lambda snap, new: programs.sender_changes(plan, coding, snap, new)[0]

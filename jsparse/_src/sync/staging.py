@@ -56,9 +56,10 @@ def _write_block(keys: jax.Array, values: jax.Array, block_keys: jax.Array,
   return keys.at[at].set(block_keys, mode="drop"), values.at[at].set(block_values, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _empty_slots(slots: int, fill: int, dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
-  """Slots of skipped changes: keys ``fill`` (out of range), values 0."""
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _empty_slots(slots: int, dtype: np.dtype, fill: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Slots of skipped changes: keys ``fill`` (out of range), values 0. ``fill`` is traced, so
+  segments of other sizes share the compilation."""
   return jnp.full((slots,), fill, jnp.int32), jnp.zeros((slots,), dtype)
 
 
@@ -91,23 +92,19 @@ class StagedRecords:
 
   def __init__(self, plan: Plan, flat: Sequence[jax.Array]):
     self.plan = plan
-    self._shardings = [replicated_on(flat[seg.leaf_ids[0]]) if seg.leaf_ids else None
-                       for seg in plan.segments]
+    self._shardings = [replicated_on(flat[seg.leaf_ids[0]]) for seg in plan.segments]
+    # Where a segment's blocks are staged and its slots filled: a device of this process.
+    self._devices = [next(iter(sharding.addressable_devices_indices_map((0,))))
+                     for sharding in self._shardings]
     self._blocks: list[list[tuple]] = [[] for _ in plan.segments]
     self._counts = np.zeros(len(plan.segments), np.int64)
     self._lock = threading.Lock()
-
-  @property
-  def counts(self) -> np.ndarray:
-    """Per segment, the changes staged so far."""
-    return self._counts.copy()
 
   def add(self, segment: int, keys: np.ndarray, values: np.ndarray) -> None:
     """Stages changes of ``segment``: ``keys`` (positions or ranks in the segment's index
     space, any order), ``values`` (new bits or ulp codes)."""
     seg = self.plan.segments[segment]
     size = block_size(seg)
-    device = next(iter(self._shardings[segment].addressable_devices_indices_map((0,))))
     blocks = []
     for i in range(0, len(keys), size):
       count = min(size, len(keys) - i)
@@ -116,7 +113,7 @@ class StagedRecords:
       if count < size:  # the last block: padded on the host (the padding is never written)
         block_keys = np.pad(block_keys, (0, size - count))
         block_values = np.pad(block_values, (0, size - count))
-      with jax.default_device(device):  # one call: the transfer and the copy
+      with jax.default_device(self._devices[segment]):  # one call: transfer and copy
         blocks.append((*_device_owned(block_keys, block_values), count))
     jax.block_until_ready(blocks)  # then the host arrays are free
     with self._lock:
@@ -133,13 +130,8 @@ class StagedRecords:
     slots = slots_needed(self.plan, counts if slot_counts is None else slot_counts)
     keys, values = [], []
     for s, (seg, n) in enumerate(zip(self.plan.segments, slots)):
-      if self._shardings[s] is None:  # a segment of no elements
-        keys.append(jnp.zeros((0,), jnp.int32))
-        values.append(jnp.zeros((0,), seg.bit_dtype))
-        continue
-      device = next(iter(self._shardings[s].addressable_devices_indices_map((n,))))
-      with jax.default_device(device):  # the staged blocks' device
-        key, value = _empty_slots(n, seg.size, seg.bit_dtype)
+      with jax.default_device(self._devices[s]):  # the staged blocks' device
+        key, value = _empty_slots(n, seg.bit_dtype, np.int32(seg.size))
         start = 0
         for block_keys, block_values, count in self._blocks[s]:
           key, value = _write_block(key, value, block_keys, block_values, np.int32(start),
