@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.layout import Layout
+from jsparse._src.core import select
 from jsparse._src.core.select import first_set_positions, sorted_search
 from jsparse._src.wire import ranks, ulp_codes
 from jsparse.testing import special_values
@@ -25,6 +26,19 @@ def test_first_set_positions_equal_nonzero(size, density, capacity, seed):
   (expected,) = jnp.nonzero(mask, size=capacity, fill_value=size)
   assert positions.tolist() == expected.tolist()
   assert int(count) == int(mask.sum())
+
+
+@pytest.mark.parametrize("capacity", [1, 127, 128, 129, 1024, 1500])
+def test_first_set_positions_by_search_and_by_scatter(capacity):
+  """Capacities on both sides of the share where the slots are filled by scatter, not search
+  (1/8 of 1,024 elements), with more and fewer changes than slots."""
+  assert select.SCATTER_SHARE * 1024 == 128
+  for density in (0.01, 0.3, 1.0):
+    mask = np.random.default_rng(capacity).random(1024) < density
+    positions, count = jax.jit(first_set_positions, static_argnums=1)(jnp.asarray(mask), capacity)
+    (expected,) = jnp.nonzero(mask, size=capacity, fill_value=1024)
+    assert positions.tolist() == expected.tolist()
+    assert int(count) == int(mask.sum())
 
 
 @pytest.mark.parametrize("method", ["scan", "scan_unrolled", None])

@@ -46,16 +46,19 @@ def commit_leaves(flat: list) -> list:
             and isinstance(x.sharding, NamedSharding) and getattr(x, "committed", True)]
   default = (NamedSharding(meshes[0], PartitionSpec()) if meshes
              else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
-  out = []
-  for x in flat:
+  out, moves = list(flat), {}  # leaf -> sharding, placed in one batched device_put
+  for i, x in enumerate(flat):
     if is_traced(x):
-      out.append(x)
-    elif not isinstance(x, jax.Array) or not getattr(x, "committed", True):
-      out.append(jax.device_put(x, default))
+      continue
+    if not isinstance(x, jax.Array) or not getattr(x, "committed", True):
+      moves[i] = default
     elif _splits_nothing(x.sharding):
-      out.append(jax.device_put(x, NamedSharding(x.sharding.mesh, PartitionSpec())))
-    else:
-      out.append(jax.device_put(x, x.sharding))
+      moves[i] = NamedSharding(x.sharding.mesh, PartitionSpec())
+    # else committed already: stays as it is (no call)
+  if moves:
+    placed = jax.device_put([flat[i] for i in moves], list(moves.values()))
+    for i, x in zip(moves, placed):
+      out[i] = x
   return out
 
 

@@ -3,7 +3,11 @@
 ``jnp.nonzero(mask, size=K)`` does a full-length cumsum and scatter; here the mask is packed into
 32-bit words in one fused pass, the prefix sum runs over the words only (n/32 elements), and each
 of the K output slots finds its word by binary search and its bit by a 5-step rank search inside
-the word. The cost is one streaming pass over the data plus O(K log n) small work.
+the word. The cost is one streaming pass over the data plus O(K log n) small work. When ``K`` is a large
+share of ``n`` (pools of small leaves take every slot they may need), that small work is not
+small: each set bit then goes straight to its slot, by a prefix sum over the mask and one
+scatter (XLA:CPU, a 65,536-element mask with 4% set and K = n: 1.42 ms by search, 0.23 ms by
+scatter; K = n / 20: 0.14 and 0.27 ms).
 
 Binary searches (:func:`sorted_search`) run as a loop of steps on CPU and unrolled elsewhere:
 the JAX docs' advice for ``jnp.searchsorted`` ("'scan' tends to be more performant on CPU",
@@ -25,6 +29,8 @@ from jax import lax
 from jsparse._src.core import bits as bits_lib
 
 _WORD = 32
+# Slots at or above this share of the mask's size are filled by scatter (see the docstring).
+SCATTER_SHARE = 1 / 8
 
 
 def sorted_search(sorted_values: jax.Array, queries: jax.Array, side: str,
@@ -72,6 +78,8 @@ def first_set_positions(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.
   them; never -1, which would wrap). The count may exceed ``capacity``: that is an overflow.
   """
   size = mask.shape[0]
+  if capacity >= SCATTER_SHARE * size:
+    return _scattered_positions(mask, capacity)
   words = pack_words(mask)
   ends = jnp.cumsum(lax.population_count(words).astype(jnp.int32))  # set bits in words [0, w]
   count = ends[-1]
@@ -82,6 +90,16 @@ def first_set_positions(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.
   bit = rank_select(words[safe_word], k - before)
   positions = jnp.where(k <= count, safe_word * _WORD + bit, size)
   return positions, count
+
+
+def _scattered_positions(mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+  """:func:`first_set_positions` by one scatter: each set bit's rank is its slot."""
+  size = mask.shape[0]
+  ranks = jnp.cumsum(mask.astype(jnp.int32))
+  slots = jnp.where(mask, ranks - 1, capacity)  # past the slots: dropped
+  positions = jnp.full((capacity,), size, jnp.int32).at[slots].set(
+      jnp.arange(size, dtype=jnp.int32), mode="drop")
+  return positions, ranks[-1]
 
 
 def changed_elements(base: jax.Array, new: jax.Array, rollout_dtype: np.dtype,

@@ -198,13 +198,19 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
 
 def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
   """Per segment, how many slots a payload with ``counts`` changes is padded to: the capacity
-  halved up to 3 times while every segment still fits. Compiled shapes stay few (4 variants),
-  and the per-change work of a sparse payload follows its density rather than the capacity."""
-  for halvings in (3, 2, 1):
-    slots = tuple(-(-seg.capacity // 2**halvings) for seg in plan.segments)
-    if all(int(c) <= n for c, n in zip(counts, slots)):
-      return slots
-  return tuple(seg.capacity for seg in plan.segments)
+  halved up to 3 times while every segment of its chunk still fits. A chunk's compiled shapes
+  stay few (4 variants), and the per-change work of a sparse payload follows each chunk's
+  density rather than its capacity: a pool of small leaves (all its elements as capacity)
+  is not padded to its capacity because the matrices of another chunk need theirs."""
+  slots = [seg.capacity for seg in plan.segments]
+  for chunk in chunks_of(plan):
+    for halvings in (3, 2, 1):
+      halved = {s: -(-plan.segments[s].capacity // 2**halvings) for s in chunk.segment_ids}
+      if all(int(counts[s]) <= n for s, n in halved.items()):
+        for s, n in halved.items():
+          slots[s] = n
+        break
+  return tuple(slots)
 
 
 def _positions(plan: Plan, layouts: tuple, ranked: tuple[bool, ...], flat: list, keys: tuple,
