@@ -47,20 +47,30 @@ def block_size(seg: Segment) -> int:
   return max(1, min(MAX_BLOCK, seg.capacity))
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _write_block(keys: jax.Array, values: jax.Array, block_keys: jax.Array,
-                 block_values: jax.Array, start: jax.Array, count: jax.Array) -> tuple:
+def _written(keys: jax.Array, values: jax.Array, block_keys: jax.Array,
+             block_values: jax.Array, start: jax.Array, count: jax.Array) -> tuple:
   """``keys``, ``values`` with the first ``count`` entries of a block written at ``start``."""
   i = jnp.arange(block_keys.shape[0], dtype=jnp.int32)
   at = jnp.where(i < count, start + i, keys.shape[0])  # past the slots: dropped
   return keys.at[at].set(block_keys, mode="drop"), values.at[at].set(block_values, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _empty_slots(slots: int, dtype: np.dtype, fill: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Slots of skipped changes: keys ``fill`` (out of range), values 0. ``fill`` is traced, so
-  segments of other sizes share the compilation."""
+def _empty(slots: int, dtype: np.dtype, fill: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Slots of skipped changes: keys ``fill`` (out of range), values 0."""
   return jnp.full((slots,), fill, jnp.int32), jnp.zeros((slots,), dtype)
+
+
+# ``fill`` is traced, so segments of other sizes share the compilations.
+_empty_slots = jax.jit(_empty, static_argnums=(0, 1))
+_write_block = jax.jit(_written, donate_argnums=(0, 1))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _slots_with_block(slots: int, fill: jax.Array, block_keys: jax.Array,
+                      block_values: jax.Array, count: jax.Array) -> tuple:
+  """Empty slots with a segment's first block written at the start: one call, not two."""
+  return _written(*_empty(slots, block_values.dtype, fill), block_keys, block_values,
+                  jnp.int32(0), count)
 
 
 @jax.jit
@@ -72,13 +82,23 @@ def _device_owned(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Ar
   return jnp.copy(keys), jnp.copy(values)
 
 
-def _replicated(x: jax.Array, sharding) -> jax.Array:
-  """``x`` (on one device) copied to every device of this process that ``sharding`` (a
-  replicated one) names, as one array: no data crosses processes."""
-  if sharding.is_fully_addressable:
-    return jax.device_put(x, sharding)
-  copies = [jax.device_put(x, d) for d in sharding.addressable_devices_indices_map(x.shape)]
-  return jax.make_array_from_single_device_arrays(x.shape, sharding, copies)
+def _replicated(arrays: Sequence[jax.Array], shardings: Sequence) -> list[jax.Array]:
+  """Each of ``arrays`` (on one device) copied to every device of this process that its
+  sharding (a replicated one) names, as one array: no data crosses processes. Arrays where they
+  belong already stay; the rest move in one batched call."""
+  out = list(arrays)
+  moves = [i for i, (x, sharding) in enumerate(zip(arrays, shardings))
+           if not x.sharding.is_equivalent_to(sharding, x.ndim)]
+  local = [i for i in moves if shardings[i].is_fully_addressable]
+  for i, x in zip(local, jax.device_put([arrays[i] for i in local],
+                                        [shardings[i] for i in local])):
+    out[i] = x
+  for i in moves:
+    if not shardings[i].is_fully_addressable:
+      x, sharding = arrays[i], shardings[i]
+      copies = [jax.device_put(x, d) for d in sharding.addressable_devices_indices_map(x.shape)]
+      out[i] = jax.make_array_from_single_device_arrays(x.shape, sharding, copies)
+  return out
 
 
 class StagedRecords:
@@ -131,16 +151,23 @@ class StagedRecords:
     keys, values = [], []
     for s, (seg, n) in enumerate(zip(self.plan.segments, slots)):
       with jax.default_device(self._devices[s]):  # the staged blocks' device
-        key, value = _empty_slots(n, seg.bit_dtype, np.int32(seg.size))
-        start = 0
-        for block_keys, block_values, count in self._blocks[s]:
+        fill, blocks = np.int32(seg.size), self._blocks[s]
+        if blocks:
+          key, value = _slots_with_block(n, fill, blocks[0][0], blocks[0][1],
+                                         np.int32(blocks[0][2]))
+        else:
+          key, value = _empty_slots(n, seg.bit_dtype, fill)
+        start = blocks[0][2] if blocks else 0
+        for block_keys, block_values, count in blocks[1:]:
           key, value = _write_block(key, value, block_keys, block_values, np.int32(start),
                                     np.int32(count))
           start += count
-      keys.append(_replicated(key, self._shardings[s]))
-      values.append(_replicated(value, self._shardings[s]))
+      keys.append(key)
+      values.append(value)
     self._blocks = [[] for _ in self.plan.segments]  # the slots hold them now
-    return ReceiverInputs(tuple(keys), tuple(values), counts, tuple(ranked), coded)
+    placed = _replicated(keys + values, self._shardings * 2)
+    return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), counts,
+                          tuple(ranked), coded)
 
 
 def stage_records(plan: Plan, flat: Sequence[jax.Array], records: Iterable[SegmentPayload]
