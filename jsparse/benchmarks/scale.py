@@ -8,7 +8,10 @@ An update is one step of sign-like AdamW updates at lr 1e-6, as RL post-training
 (~1% of the bf16 elements change).
 
 - :func:`compile_times`: ``Sender()``, the first ``send``, ``Receiver()`` and the first
-  ``receive`` in a fresh process per leaf count (every compilation included), against a plain jitted per-leaf op over the same tree (the bf16 cast a dense sync does).
+  ``receive`` in a fresh process per leaf count (every compilation included), against a plain
+  jitted per-leaf op over the same tree (the bf16 cast a dense sync does); then the steady
+  ``send`` and ``receive`` per parameter, to hold against :func:`scaling`'s trees of few,
+  large leaves.
 - :func:`scaling`: per model size, in a fresh process each, the steady ``send`` and ``receive``
   times per parameter and the process's peak resident memory against the bytes it must hold
   (fp32 params, the sender's bf16 snapshot, the receiver's bf16 params); then the sync's four
@@ -16,7 +19,7 @@ An update is one step of sign-like AdamW updates at lr 1e-6, as RL post-training
 
 >>> rows = compile_times([16], width=32)
 >>> sorted(rows[16])
-['first receive', 'first send', 'plain jit', 'receiver', 'sender']
+['first receive', 'first send', 'params', 'plain jit', 'receive', 'receiver', 'send', 'sender']
 """
 
 from __future__ import annotations
@@ -77,18 +80,25 @@ def _timed(fn):
   return out, time.perf_counter() - start
 
 
-def _compile_point(n: int, width: int) -> dict:
+def _compile_point(n: int, width: int, steps: int = 2) -> dict:
   """One leaf count, in this process: see :func:`compile_times`."""
   before = layered_tree(n, width)
   after = jax.tree.map(jnp.asarray, rl_like_update(before, n))
   plan = jsparse.make_plan(before, rollout_dtype=jnp.bfloat16)
-  row = {}
+  row = {"params": plan.num_elements}
   _, row["plain jit"] = _timed(lambda: jax.jit(plan.cast)(before))
   rollout = jax.block_until_ready(plan.cast(before))
   sender, row["sender"] = _timed(lambda: jsparse.Sender(plan, before))
   data, row["first send"] = _timed(lambda: sender.send(after))
   receiver, row["receiver"] = _timed(lambda: jsparse.Receiver(plan, rollout))
   _, row["first receive"] = _timed(lambda: receiver.receive(data))
+  row["send"] = row["receive"] = float("inf")
+  for k in range(steps):  # steady steps, on updates made on the host (nothing to compile)
+    after = jax.tree.map(jnp.asarray, rl_like_update(after, n + 1 + k))
+    data, seconds = _timed(lambda: sender.send(after))
+    row["send"] = min(row["send"], seconds)
+    _, seconds = _timed(lambda: receiver.receive(data))
+    row["receive"] = min(row["receive"], seconds)
   return row
 
 
@@ -105,13 +115,17 @@ def _in_subprocess(call: str) -> dict:
 def print_compile_times(rows: dict) -> None:
   print("set-up seconds (compilations included) against the number of leaves; x = the four "
         "set-up steps over a plain jitted per-leaf op")
+  print("  then the steady send and receive, ns per parameter (compare the scaling table's "
+        "few large leaves)")
   print(f"{'leaves':>7} {'plain jit':>9} {'Sender()':>9} {'1st send':>9} {'Receiver()':>10} "
-        f"{'1st recv':>9} {'x':>6}")
+        f"{'1st recv':>9} {'x':>6} {'params':>12} {'send ns/p':>9} {'recv ns/p':>9}")
   for n, row in rows.items():
     setup = row["sender"] + row["first send"] + row["receiver"] + row["first receive"]
     print(f"{n:>7} {row['plain jit']:>9.2f} {row['sender']:>9.2f} {row['first send']:>9.2f} "
           f"{row['receiver']:>10.2f} {row['first receive']:>9.2f} "
-          f"{setup / row['plain jit']:>6.1f}")
+          f"{setup / row['plain jit']:>6.1f} {row['params']:>12,} "
+          f"{row['send'] / row['params'] * 1e9:>9.2f} "
+          f"{row['receive'] / row['params'] * 1e9:>9.2f}")
 
 
 def peak_rss() -> int:

@@ -185,6 +185,29 @@ def test_compilations_follow_the_distinct_chunks_not_the_leaves_or_the_density(c
   assert all(g <= 4 * distinct for g in grown[2:]), grown
 
 
+def test_slots_follow_each_chunks_changes_not_the_fullest_chunk():
+  """A pool (every element a slot) is not padded to its capacity because a matrix in another
+  chunk needs all of its slots: each chunk halves its own slots, and a sync through them is
+  exact."""
+  from jsparse._src.core.chunks import chunks_of
+  from jsparse._src.sync import programs
+  rng = np.random.default_rng(11)
+  params = {**_tree(rng), "w2": strategies.random_bits(rng, (200, 100), np.float32)}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, bucket_size=1000, capacity=0.1)
+  (m1, m2), (pool,) = sorted((c.segment_ids for c in chunks_of(plan)),
+                             key=lambda ids: -plan.segments[ids[0]].size)
+  assert plan.segments[pool].capacity == plan.segments[pool].size == 107
+  counts = np.zeros(len(plan.segments), np.int32)
+  counts[m1], counts[pool] = plan.segments[m1].capacity, 3
+  slots = programs.slots_needed(plan, counts)
+  assert slots[m1] == slots[m2] == 2000 and slots[pool] == 14  # 107 / 8
+  sender = jsparse.Sender(plan, params)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  new = {**params, "w": strategies.perturb(rng, params["w"], 0.1), "n": params["n"].copy()}
+  new["n"][2] = -new["n"][2]
+  assert_trees_bitwise_equal(receiver.receive(sender.send(new)), plan.cast(new))
+
+
 def test_decoded_but_wrong_payload_is_caught_end_to_end_and_applies_nothing():
   plan, tree = _mixed_plan(), _mixed_tree(0)
   sender = jsparse.Sender(plan, tree)
