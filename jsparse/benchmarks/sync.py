@@ -184,7 +184,8 @@ def _jsparse(plan, before, after, repeats, coding):
          "apply": _best(lambda r: r.receive(data), fresh_receiver, repeats)}
   row.update(stage_times(plan, coding, snapshot, after, data, repeats))
   flat = jax.tree.leaves(after)
-  inputs = staging.receiver_inputs(plan, jax.tree.leaves(snapshot), framing.decode(plan, data))
+  inputs = staging.receiver_inputs(plan, jax.tree.leaves(snapshot),
+                                   *framing.decode_lazily(plan, data))
   layouts = layouts_of(plan, jax.tree.leaves(snapshot))
   row["temp"] = _chunk_temps(plan, coding, layouts, jax.tree.leaves(snapshot), flat, inputs)
   return row
@@ -202,15 +203,18 @@ def stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any, d
   delta, old, ranks = jax.device_get(device_stage(*fresh_snapshot())[:3])
   dense = lambda s: segment_host_bits(plan, s, jax.tree.leaves(snapshot))
 
+  def changes(s: int) -> tuple:
+    return delta.indices[s], delta.values[s], old[s], None if ranks is None else ranks[s]
+
   def encode_host():
-    records = segment_records(plan, coding, delta, old, ranks, dense=dense)
+    records = segment_records(plan, coding, delta.counts, delta.overflow, changes, dense=dense)
     return framing.encode(plan, Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), records,
                                         coding.format))
 
   row = {"diff": _best(device_stage, fresh_snapshot, repeats)}
   row["host_encode"] = _best(encode_host, repeats=repeats)
   decode = lambda: staging.receiver_inputs(plan, jax.tree.leaves(snapshot),
-                                           framing.decode(plan, data))
+                                           *framing.decode_lazily(plan, data))
   row["host_decode"] = _best(decode, repeats=repeats)
   inputs = decode()
   layouts = layouts_of(plan, jax.tree.leaves(snapshot))

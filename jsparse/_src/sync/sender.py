@@ -4,8 +4,9 @@ The sender keeps the last synced state in rollout dtypes. Each ``send`` runs two
 
 1. device (``programs.sender_changes``): diff the new params against the snapshot in one jitted
    program, which also produces the next snapshot and its digest, then rank the changes;
-2. host (``payload.segment_records``, ``framing.encode``): move the small fixed-size diff to the
-   host, carry overflowed segments densely, code the rest, serialize.
+2. host (``payload.segment_records``, ``framing.encode``): move the diff to the host a segment
+   at a time, each as its record is coded (the host holds the coded streams and one
+   segment's changes, never every change), carry overflowed segments densely, serialize.
 
 >>> import jax.numpy as jnp, jsparse
 >>> params = {'w': jnp.zeros((1000,), jnp.float32)}
@@ -178,6 +179,7 @@ class Sender:
     """The last synced state, in rollout dtypes (what the receiver holds)."""
     return jax.tree.unflatten(self.plan.treedef, self._snapshot)
 
+  @mesh_neutral
   def send(self, params: PyTree, *, full: bool = False, version: int | None = None) -> bytes:
     """Returns the bytes that bring a receiver from the current version to the next.
 
@@ -190,9 +192,8 @@ class Sender:
       PlanMismatchError: ``params`` do not match the plan (the leaf is named).
       VersionError: ``version`` is not newer than the sender's.
     """
-    payload = self.payload(params, full=full, version=version)
     try:
-      data = framing.encode(self.plan, payload)
+      data = framing.encode(self.plan, self._payload(params, full, version))
     except BaseException:
       self._needs_anchor = True  # the receiver never gets this version: resync with an anchor
       raise
@@ -204,13 +205,29 @@ class Sender:
               version: int | None = None) -> Payload:
     """Like :meth:`send`, but returns the decoded payload (what
     :meth:`Receiver.apply_payload` applies), not its bytes."""
+    payload = self._payload(params, full, version)
+    try:
+      return dataclasses.replace(payload, segments=tuple(payload.segments))
+    except BaseException:
+      self._needs_anchor = True
+      raise
+
+  def _payload(self, params: PyTree, full: bool, version: int | None) -> Payload:
+    """The payload to the next version, its records a generator that moves each segment's
+    changes to the host as its record is made (see :func:`payload.segment_records`)."""
     if not all(x.is_fully_addressable for x in self._snapshot):
       raise ConfigError("the params span several processes: in a multi-controller job every "
                         "process calls send_part() and ships its own part")
 
-    def whole(changes: programs.DeviceChanges, snapshot: list, full: bool) -> tuple:
-      delta, old_values, ranks = jax.device_get(changes[:3])
-      return segment_records(self.plan, self.coding, delta, old_values, ranks,
+    def whole(changes: programs.DeviceChanges, snapshot: list, full: bool):
+      delta, old_values, ranks = changes[:3]
+
+      def segment_changes(s: int) -> tuple:
+        return jax.device_get((delta.indices[s], delta.values[s], old_values[s],
+                               None if ranks is None else ranks[s]))
+
+      return segment_records(self.plan, self.coding, local_value(delta.counts),
+                             local_value(delta.overflow), segment_changes,
                              dense=lambda s: segment_host_bits(self.plan, s, snapshot),
                              full=full)
 

@@ -186,9 +186,10 @@ def stage_records(plan: Plan, flat: Sequence[jax.Array], records: Iterable[Segme
   return staged, dense, tuple(modes)
 
 
-def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], payload: Payload) -> ReceiverInputs:
-  """The :class:`~programs.ReceiverInputs` of a decoded whole ``payload``'s sparse records for
-  a receiver holding ``flat``."""
-  staged, _, modes = stage_records(plan, flat, payload.segments)
+def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], header: Payload,
+                    records: Iterable[SegmentPayload]) -> ReceiverInputs:
+  """The :class:`~programs.ReceiverInputs` of a payload's sparse records (``header`` and
+  ``records`` as ``framing.decode_lazily`` gives them) for a receiver holding ``flat``."""
+  staged, _, modes = stage_records(plan, flat, records)
   return staged.inputs(ranked=ranked_segments(plan, modes),
-                       coded=payload.format == Format.COMPACT)
+                       coded=header.format == Format.COMPACT)

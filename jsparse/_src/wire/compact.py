@@ -163,7 +163,13 @@ def encode_body(plan: Plan, segments: Sequence[SegmentPayload]) -> bytes:
     for pieces in _sparse_streams(part.indices, part.values, seg.bit_dtype):
       for stream, raw in zip(streams, pieces):
         stream.append(raw)
-  return b"".join(table + [_pack_stream(b"".join(raw)) for raw in streams] + dense)
+  packed = []
+  for raw in streams:  # each stream's pieces dropped once joined: one stream is held twice
+    joined = b"".join(raw)
+    raw.clear()
+    packed.append(_pack_stream(joined))
+    del joined
+  return b"".join(table + packed + dense)
 
 
 def _unpack_stream(reader: Reader, what: str, max_raw: int) -> bytes:

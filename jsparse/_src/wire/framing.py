@@ -43,12 +43,26 @@ _BODIES = {Format.LISTS: lists, Format.COMPACT: compact}
 
 
 def encode(plan: Plan, payload: Payload) -> bytes:
-  """Serializes ``payload`` (which must match ``plan``) to bytes."""
+  """Serializes ``payload`` (which must match ``plan``) to bytes. Its segments may be any
+  iterable of one record per segment of the plan (a generator: each record is coded as it
+  comes)."""
   header = HEADER.pack(MAGIC, payload.format, payload.kind, 0, plan.fingerprint,
                        payload.base_version, payload.version, payload.base_digest,
-                       payload.new_digest, len(payload.segments))
-  body = header + _BODIES[payload.format].encode_body(plan, payload.segments)
+                       payload.new_digest, len(plan.segments))
+  records = iter(payload.segments)
+  body = header + _BODIES[payload.format].encode_body(plan, _exactly(len(plan.segments), records))
+  if next(records, None) is not None:
+    raise PayloadError(f"payload has more segments than the plan's {len(plan.segments)}")
   return body + _CRC.pack(zlib.crc32(body))
+
+
+def _exactly(count: int, records: Iterator[SegmentPayload]) -> Iterator[SegmentPayload]:
+  """The first ``count`` of ``records``; an error if there are fewer."""
+  for i in range(count):
+    record = next(records, None)
+    if record is None:
+      raise PayloadError(f"payload has {i} segments, the plan {count}")
+    yield record
 
 
 def decode(plan: Plan, data: bytes) -> Payload:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -152,35 +152,35 @@ def segment_host_bits(plan: Plan, segment_id: int, flat: Sequence) -> np.ndarray
   return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def segment_records(plan: Plan, coding: Coding, delta: Delta, old_values: Sequence[np.ndarray],
-                    ranks: Sequence[np.ndarray | None] | None, *,
-                    dense: Callable[[int], np.ndarray],
-                    full: bool = False) -> tuple[SegmentPayload, ...]:
-  """The records of a diff on the host.
+def segment_records(plan: Plan, coding: Coding, counts: np.ndarray, overflow: np.ndarray,
+                    changes: Callable[[int], tuple], *, dense: Callable[[int], np.ndarray],
+                    full: bool = False) -> Iterator[SegmentPayload]:
+  """The records of a diff on the host, one segment at a time: a generator, which asks for a
+  segment's changes as it makes that segment's record, so that only one segment's changes
+  need be on the host (a whole ``send`` codes each record as it comes).
 
   Args:
     plan: the plan.
     coding: the payload's :class:`Coding`.
-    delta: a :class:`~jsparse.Delta` as numpy arrays.
-    old_values: per segment, the old bits at the delta's positions.
-    ranks: per segment, the ranks of the delta's first changes (None, or None for a segment:
-      name its changes by position).
+    counts: per segment, how many elements changed (a :class:`~jsparse.Delta`'s counts).
+    overflow: per segment, whether it overflowed its capacity.
+    changes: ``changes(s)`` gives segment ``s``'s slots as numpy arrays: ``(positions, new
+      bits, old bits, ranks or None)``, the first ``counts[s]`` used (ranks None: name the
+      changes by position).
     dense: ``dense(s)`` gives segment ``s``'s new bits, for overflowed segments and anchors.
     full: every segment dense (an anchor).
   """
-  records = []
   for s, seg in enumerate(plan.segments):
-    if full or delta.overflow[s]:
-      records.append(SegmentPayload(Mode.DENSE, None, dense(s)))
+    if full or overflow[s]:
+      yield SegmentPayload(Mode.DENSE, None, dense(s))
       continue
-    count = int(delta.counts[s])
-    indices, values, old = delta.indices[s], delta.values[s], old_values[s]
+    count = int(counts[s])
+    indices, values, old, ranks = changes(s)
     if seg.blocks > 1:  # ascending per block, unused slots between blocks: merge the blocks
       order = np.argsort(indices, kind="stable")
       indices, values, old = indices[order], values[order], old[order]
-    records.append(sparse_record(coding, seg, indices[:count], values[:count], old[:count],
-                                 None if ranks is None or ranks[s] is None else ranks[s][:count]))
-  return tuple(records)
+    yield sparse_record(coding, seg, indices[:count], values[:count], old[:count],
+                        None if ranks is None else ranks[:count])
 
 
 def sparse_record(coding: Coding, seg: Segment, positions: np.ndarray, values: np.ndarray,
