@@ -1,5 +1,6 @@
 """The wire formats: decoder robustness (fuzzed), hostile lengths, compactness, every dtype."""
 
+import dataclasses
 import functools
 import struct
 import zlib
@@ -192,3 +193,19 @@ def test_host_temporaries_of_format_2_stay_a_few_bytes_per_change():
   assert decoded.indices.tolist() == keys.tolist() and decoded.values.tolist() == codes.tolist()
   assert encode_peak < 8 * count and decode_peak < 12 * count, (encode_peak / count,
                                                                  decode_peak / count)
+
+
+@pytest.mark.parametrize("records", ["fewer", "more", "generator"])
+def test_encode_takes_one_record_per_segment_from_any_iterable(records):
+  """A sender's records come as a generator (each segment coded as it comes): the bytes are
+  those of the same records in a tuple, and a count other than the plan's is refused."""
+  plan, _, payloads = _samples()
+  payload = framing.decode(plan, payloads[0])
+  segments = {"fewer": payload.segments[:-1], "more": payload.segments + payload.segments[:1],
+              "generator": (record for record in payload.segments)}[records]
+  lazy = dataclasses.replace(payload, segments=segments)
+  if records == "generator":
+    assert framing.encode(plan, lazy) == framing.encode(plan, payload) == payloads[0]
+  else:
+    with pytest.raises(jsparse.PayloadError, match=f"the plan('s)? {len(plan.segments)}"):
+      framing.encode(plan, lazy)
