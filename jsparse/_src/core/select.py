@@ -3,11 +3,11 @@
 ``jnp.nonzero(mask, size=K)`` does a full-length cumsum and scatter; here the mask is packed into
 32-bit words in one fused pass, the prefix sum runs over the words only (n/32 elements), and each
 of the K output slots finds its word by binary search and its bit by a 5-step rank search inside
-the word. The cost is one streaming pass over the data plus O(K log n) small work. When ``K`` is a large
-share of ``n`` (pools of small leaves take every slot they may need), that small work is not
-small: each set bit then goes straight to its slot, by a prefix sum over the mask and one
-scatter (XLA:CPU, a 65,536-element mask with 4% set and K = n: 1.42 ms by search, 0.23 ms by
-scatter; K = n / 20: 0.14 and 0.27 ms).
+the word. The cost is one streaming pass over the data plus O(K log n) small work. When ``K``
+is a large share of ``n`` (pools of small leaves take every slot they may need), that small
+work is not small: each set bit then goes straight to its slot, by a prefix sum over the mask
+and one scatter (XLA:CPU, a 65,536-element mask with 4% set and K = n: 1.42 ms by search,
+0.23 ms by scatter; K = n / 20: 0.14 and 0.27 ms).
 
 Binary searches (:func:`sorted_search`) run as a loop of steps on CPU and unrolled elsewhere:
 the JAX docs' advice for ``jnp.searchsorted`` ("'scan' tends to be more performant on CPU",

@@ -23,7 +23,7 @@ allocate or hang), then every count, key and code.
 from __future__ import annotations
 
 import struct
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator
 
 import numpy as np
 import zstandard
@@ -151,7 +151,7 @@ def _sparse_streams(keys: np.ndarray, values: np.ndarray, dtype: np.dtype):
            varint_encode(escaped))
 
 
-def encode_body(plan: Plan, segments: Sequence[SegmentPayload]) -> bytes:
+def encode_body(plan: Plan, segments: Iterable[SegmentPayload]) -> bytes:
   """The body bytes of format-2 ``segments``."""
   table, streams, dense = [], ([], [], []), []
   for seg, part in zip(plan.segments, segments):

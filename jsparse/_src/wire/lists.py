@@ -22,7 +22,7 @@ Values are the rollout bit patterns, little-endian. The receiver needs no pass o
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -36,7 +36,7 @@ def _num_chunks(size: int) -> int:
   return -(-size // (1 << CHUNK_BITS))
 
 
-def encode_body(plan: Plan, segments: Sequence[SegmentPayload]) -> bytes:
+def encode_body(plan: Plan, segments: Iterable[SegmentPayload]) -> bytes:
   """The body bytes of format-1 ``segments``."""
   chunks = []
   for seg, part in zip(plan.segments, segments):

@@ -25,7 +25,6 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from jsparse._src.core import bits as bits_lib
-from jsparse._src.core.delta import Delta
 from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.core.units import local_value
 from jsparse._src.errors import PayloadError
