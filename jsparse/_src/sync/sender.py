@@ -36,7 +36,8 @@ from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value, owned_units
 from jsparse._src.sync import programs
 from jsparse._src.sync.parts import dense_records, part_records, processes_with
-from jsparse._src.sync.stream import PartStream, produce, start_host_copies, stream_pieces
+from jsparse._src.sync.stream import (PartStream, produce, start_host_copies,
+                                      start_segment_copies, stream_pieces)
 from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, versioned_digest)
@@ -220,14 +221,8 @@ class Sender:
                         "process calls send_part() and ships its own part")
 
     def whole(changes: programs.DeviceChanges, snapshot: list, full: bool):
-      delta, old_values, ranks = changes[:3]
-
-      def segment_changes(s: int) -> tuple:
-        return jax.device_get((delta.indices[s], delta.values[s], old_values[s],
-                               None if ranks is None else ranks[s]))
-
-      return segment_records(self.plan, self.coding, local_value(delta.counts),
-                             local_value(delta.overflow), segment_changes,
+      return segment_records(self.plan, self.coding, local_value(changes.delta.counts),
+                             local_value(changes.delta.overflow), _HostChanges(changes),
                              dense=lambda s: segment_host_bits(self.plan, s, snapshot),
                              full=full)
 
@@ -380,3 +375,28 @@ class Sender:
                                 self.plan.num_elements, self.plan.rollout_bytes,
                                 int(np.sum(local_value(delta.overflow))), full)
     return head, records
+
+
+class _HostChanges:
+  """A diff's changes on the host, segment by segment in plan order (the ``changes`` of
+  ``payload.segment_records``): taking segment ``s`` starts the copy of ``s + 1`` (so that on
+  an accelerator the transfer overlaps the coding) and lets go of ``s``'s device arrays, and
+  with them the host copy JAX caches on each: at most two segments' changes are on the host."""
+
+  def __init__(self, changes: programs.DeviceChanges):
+    self._columns = [None if arrays is None else list(arrays) for arrays in
+                     (changes.delta.indices, changes.delta.values, changes.old_values,
+                      changes.ranks)]
+    if changes.delta.indices:
+      start_segment_copies(self._columns, 0)
+
+  def __call__(self, segment: int) -> tuple:
+    """``(positions, new bits, old bits, ranks or None)`` of ``segment``, as numpy arrays."""
+    if segment + 1 < len(self._columns[0]):
+      start_segment_copies(self._columns, segment + 1)
+    out = tuple(None if arrays is None or arrays[segment] is None else np.asarray(arrays[segment])
+                for arrays in self._columns)
+    for arrays in self._columns:
+      if arrays is not None:
+        arrays[segment] = None
+    return out

@@ -20,7 +20,7 @@ all have arrived.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import jax
 
@@ -118,10 +118,15 @@ def start_host_copies(changes: DeviceChanges, piece: Piece) -> None:
   """Starts copying the diff's outputs that ``piece``'s units are coded from to the host
   (``jax.Array.copy_to_host_async``), so that on an accelerator the copies of the next pieces
   overlap the coding of this one instead of each array waiting for its own transfer."""
-  per_segment = [arrays for arrays in (changes.delta.indices, changes.delta.values,
-                                       changes.old_values, changes.ranks, changes.block_counts)
-                 if arrays is not None]
+  columns = (changes.delta.indices, changes.delta.values, changes.old_values, changes.ranks,
+             changes.block_counts)
   for unit in piece:
-    for arrays in per_segment:
-      if isinstance(arrays[unit.segment], jax.Array):
-        arrays[unit.segment].copy_to_host_async()
+    start_segment_copies(columns, unit.segment)
+
+
+def start_segment_copies(columns: Iterable[Sequence | None], segment: int) -> None:
+  """Starts copying ``segment``'s entry of each per-segment column (None: no such column; an
+  entry that is not a device array: nothing to copy) to the host."""
+  for arrays in columns:
+    if arrays is not None and isinstance(arrays[segment], jax.Array):
+      arrays[segment].copy_to_host_async()
