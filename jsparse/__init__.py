@@ -17,8 +17,9 @@ from typing import Any
 from jsparse._src.core.delta import Delta, apply, diff
 from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.plan import LeafSpec, Plan, Segment, make_plan
-from jsparse._src.errors import (CheckpointError, ConfigError, IntegrityError, JsparseError,
-                                 PayloadError, PlanError, PlanMismatchError, VersionError)
+from jsparse._src.errors import (ArgumentError, CheckpointError, ConfigError, IntegrityError,
+                                 JsparseError, PayloadError, PlanError, PlanMismatchError,
+                                 VersionError)
 from jsparse._src.sync.receiver import ReceiveStream, Receiver
 from jsparse._src.sync.sender import SendStats, Sender
 from jsparse._src.sync.state import SyncState, abstract_sync_state
@@ -38,7 +39,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CheckpointError", "Coding", "ConfigError", "Delta", "DeltaCheckpointManager",
+    "ArgumentError", "CheckpointError", "Coding", "ConfigError", "Delta", "DeltaCheckpointManager",
     "IntegrityError", "JsparseError", "LeafSpec", "PartStream", "PayloadError", "Plan",
     "PlanError", "PlanMismatchError", "ReceiveStream", "Receiver", "SaveInfo", "Segment",
     "SendStats", "Sender", "SyncState",

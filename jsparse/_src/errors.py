@@ -19,6 +19,10 @@ class ConfigError(JsparseError, ValueError):
   """An option has a bad type or value (e.g. ``capacity=2.0``, ``anchor_every=True``)."""
 
 
+class ArgumentError(JsparseError, TypeError):
+  """A public function got an argument of the wrong type (the message says what it expects)."""
+
+
 class PlanError(JsparseError, ValueError):
   """A plan cannot be built from the given tree (an unsupported dtype, a leaf too large)."""
 

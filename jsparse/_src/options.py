@@ -31,3 +31,19 @@ def int_option(name: str, value: Any, *, minimum: int, optional: bool = False) -
     allowed = " or None" if optional else ""
     raise ConfigError(f"{name} must be an int >= {minimum}{allowed}, got {value!r}")
   return int(value)
+
+
+def float_option(name: str, value: Any, *, minimum: float = 0.0) -> float:
+  """``value`` as a finite ``float`` (ints accepted) of at least ``minimum``.
+
+  >>> float_option("stall_seconds", 30)
+  30.0
+
+  Raises:
+    ConfigError: naming the option and what was expected.
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                   np.floating)) \
+      or not np.isfinite(value) or value < minimum:
+    raise ConfigError(f"{name} must be a finite number >= {minimum}, got {value!r}")
+  return float(value)

@@ -2,8 +2,8 @@
 decided by process 0 and broadcast (one small collective), so that no process runs a program
 the others skip. In a single process these return their argument.
 
->>> agreed_flag(True), agreed_entry(None)
-(True, None)
+>>> agreed_flag(True), agreed_entry(None), agreed_bytes(b"run")
+(True, None, b'run')
 """
 
 from __future__ import annotations
@@ -30,3 +30,14 @@ def agreed_entry(entry: Entry | None) -> Entry | None:
                  [entry.version, KINDS.index(entry.kind), entry.base, entry.parts], np.int64)
   version, kind, base, parts = (int(x) for x in multihost_utils.broadcast_one_to_all(row))
   return None if version < 0 else Entry(version, KINDS[kind], base, parts)
+
+
+def agreed_bytes(data: bytes) -> bytes:
+  """Process 0's ``data`` (at most 64 bytes), on every process."""
+  if jax.process_count() == 1:
+    return bytes(data)
+  row = np.zeros(65, np.int32)
+  row[0] = len(data)
+  row[1:1 + len(data)] = np.frombuffer(data, np.uint8)
+  row = np.asarray(multihost_utils.broadcast_one_to_all(row))
+  return bytes(row[1:1 + int(row[0])].astype(np.uint8))

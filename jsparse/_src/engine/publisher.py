@@ -2,7 +2,7 @@
 
 Each ``publish`` sends a delta from the previous version; every ``anchor_every`` versions, or
 when a subscriber asked for one, it also puts an anchor of the same version (the dense state,
-accepted on any older base). Retention keeps the newest anchor, the deltas after it and those of
+accepted on any older base, streamed in parts like any version). Retention keeps the newest anchor, the deltas after it and those of
 the last ``keep`` versions, so a rollout that lags by up to ``keep`` versions catches up along
 the deltas, one that lags more takes the anchor, and the feed never grows: a slow rollout never
 blocks the trainer, and nothing is deleted that a rollout needs while no newer anchor exists.
@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import jax
 
-from jsparse._src.engine.agreement import agreed_flag
+from jsparse._src.engine.agreement import agreed_bytes, agreed_flag
 from jsparse._src.engine.feed import Entry, Feed
+from jsparse._src.errors import ConfigError
 from jsparse._src.options import int_option
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync.sender import Sender
+from jsparse._src.sync.stream import PartStream
 
 
 class Publisher:
@@ -39,12 +41,22 @@ class Publisher:
     feed: where parts go (:class:`~jsparse.engine.DirectoryFeed`, :class:`~jsparse.engine.RayFeed`).
     anchor_every: also publish an anchor every this many versions (None: only on request).
     keep: keep the deltas of the last ``keep`` versions even when an anchor is newer.
-    chunk_bytes: each version is streamed (:meth:`~jsparse.Sender.send_stream`) in parts of at
-      most this many bytes of rollout data, each put into the feed as soon as it is coded.
+    chunk_bytes: each version (and each anchor) is streamed in parts of at most this many bytes
+      of rollout data, each put into the feed as soon as it is coded: a trainer process never
+      holds the whole dense state on the host.
 
-  A sender restored from a state older than what the feed already holds (the trainer died after
-  publishing more) must not reuse those version numbers: its first publish is then an anchor
-  newer than everything in the feed, which every rollout accepts.
+  Raises:
+    ConfigError: a bad option, or the feed belongs to another run (another trainer publishes
+      into it): a feed has one publisher. A trainer that restarts resumes the run with
+      :meth:`~jsparse.Sender.restore` from its saved state, which keeps the run's identity.
+
+  Every entry is labelled by what it really is: when a publish fails halfway (a full disk, a
+  lost store) its version is never committed, the sender's next payload is an anchor, and it
+  goes into the feed as an anchor, which every rollout accepts. An anchor that a rollout asked
+  for is owed until one is committed. Leftovers of failed publishes are removed by the next
+  publish. A sender restored from a state older than what the feed already holds (the trainer
+  died after publishing more) must not reuse those version numbers: its first publish is then
+  an anchor newer than everything in the feed.
 
   >>> import tempfile, jax.numpy as jnp, jsparse
   >>> from jsparse import engine
@@ -53,6 +65,8 @@ class Publisher:
   ...                       engine.DirectoryFeed(tempfile.mkdtemp()), anchor_every=None)
   >>> [(e.version, e.kind) for e in publisher.publish({'w': jnp.ones(8)}, anchor=True)]
   [(1, 'delta'), (1, 'anchor')]
+  >>> [(e.version, e.kind) for e in publisher.publish({'w': jnp.ones(8)}, full=True)]
+  [(2, 'anchor')]
   """
 
   def __init__(self, sender: Sender, feed: Feed, *, anchor_every: int | None = 8,
@@ -62,58 +76,67 @@ class Publisher:
     self.chunk_bytes = int_option("chunk_bytes", chunk_bytes, minimum=1)
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.keep = int_option("keep", keep, minimum=0)
+    claim_run(sender, feed)
     latest = self._latest()
     self._resync = latest is not None and latest != sender.version
     self._since_anchor = 0
+    self._anchor_owed = False  # a rollout asked for an anchor; none committed since
     self.bytes_put = 0  # by this process, over all publishes
 
   def _latest(self) -> int | None:
     entries = self.feed.entries()
     return max(e.version for e in entries) if entries else None
 
-  def publish(self, params: PyTree, *, anchor: bool = False) -> list[Entry]:
+  def publish(self, params: PyTree, *, anchor: bool = False, full: bool = False
+              ) -> list[Entry]:
     """Publishes ``params`` as the next version; returns the entries written (this process
-    wrote its parts of each). ``anchor``: also an anchor of this version, whatever is due (e.g.
-    the first version, for rollouts that start empty)."""
-    parts = jax.process_count()
+    wrote its parts of each).
+
+    Args:
+      params: the trainer's new params.
+      anchor: also publish an anchor of this version next to its delta, whatever is due.
+      full: publish this version as an anchor only (e.g. when the rollouts hold other bits).
+
+    Raises:
+      whatever the sender or the feed raise; the version is then not committed, and the next
+      publish is an anchor (the sender resyncs), so no rollout waits for the lost version.
+    """
     if self._resync:
       version = max(self._latest() or 0, self.sender.version) + 1
-      written = [self._put_stream("anchor", version - 1, self.sender.send_stream(
-          params, full=True, version=version, chunk_bytes=self.chunk_bytes))]
-      self._resync, self._since_anchor = False, 0
+      stream = self.sender.send_stream(params, full=True, version=version,
+                                       chunk_bytes=self.chunk_bytes)
     else:
-      base = self.sender.version
-      written = [self._put_stream("delta", base, self.sender.send_stream(
-          params, chunk_bytes=self.chunk_bytes))]
-      self._since_anchor += 1
-      requested = agreed_flag(jax.process_index() == 0 and self.feed.take_anchor_request())
-      if anchor or requested or (self.anchor_every
-                                 and self._since_anchor >= self.anchor_every):
-        version = self.sender.version
-        written.append(self._put(Entry(version, "anchor", version - 1, parts),
-                                 self.sender.anchor_part()))
-        self._since_anchor = 0
-    self._retain()
+      stream = self.sender.send_stream(params, full=full, chunk_bytes=self.chunk_bytes)
+    written = [self._put_stream(stream)]
+    self._resync = False
+    self._since_anchor = 0 if stream.anchor else self._since_anchor + 1
+    requested = agreed_flag(jax.process_index() == 0 and self.feed.take_anchor_request())
+    self._anchor_owed = self._anchor_owed or requested
+    if not stream.anchor and (anchor or self._anchor_owed or (
+        self.anchor_every and self._since_anchor >= self.anchor_every)):
+      written.append(self._put_stream(self.sender.anchor_stream(chunk_bytes=self.chunk_bytes)))
+      self._since_anchor = 0
+    self._anchor_owed = False  # an anchor of this version is committed
+    self._retain(written)
     return written
 
-  def _put_stream(self, kind: str, base: int, stream) -> Entry:
-    """Puts each part of a streamed version as it is produced."""
-    entry = Entry(self.sender.version, kind, base, stream.parts)
+  def _put_stream(self, stream: PartStream) -> Entry:
+    """Puts each part of a streamed version as it is produced, under the entry it really is."""
+    entry = Entry(stream.version, "anchor" if stream.anchor else "delta",
+                  stream.base_version, stream.parts)
     for k, data in enumerate(stream):  # to the end: the sender counts the stream done
-      self._put(entry, data, stream.numbers[k])
+      self.feed.put(entry, stream.numbers[k], data)
+      self.bytes_put += len(data)
     return entry
 
-  def _put(self, entry: Entry, data: bytes, part: int | None = None) -> Entry:
-    """Puts part ``part`` of ``entry`` (default: this process's one part)."""
-    self.feed.put(entry, jax.process_index() if part is None else part, data)
-    self.bytes_put += len(data)
-    return entry
-
-  def _retain(self) -> None:
+  def _retain(self, written: list[Entry]) -> None:
     """Removes what the newest anchor replaces: older anchors, and older deltas outside the
-    last ``keep`` versions (process 0 only)."""
+    last ``keep`` versions; and what failed publishes left (process 0 only)."""
     if jax.process_index() != 0:
       return
+    for entry in pending_entries(self.feed):
+      if entry not in written and entry.version <= self.sender.version:
+        self.feed.remove(entry)  # a failed publish's parts (its version was never committed)
     entries = self.feed.entries()
     anchors = [e.version for e in entries if e.kind == "anchor"]
     if not anchors:
@@ -123,3 +146,25 @@ class Publisher:
       if entry.version < newest and (entry.kind == "anchor"
                                      or entry.version <= latest - self.keep):
         self.feed.remove(entry)
+
+
+def pending_entries(feed: Feed) -> list[Entry]:
+  """The entries of ``feed`` with some parts but not committed (a feed that cannot tell: [])."""
+  pending = getattr(feed, "pending", None)
+  return list(pending()) if pending is not None else []
+
+
+def claim_run(sender: Sender, feed: Feed) -> None:
+  """Makes ``sender``'s run the feed's (every process agrees on process 0's run id), or raises
+  :class:`ConfigError` if the feed belongs to another run."""
+  claim = getattr(feed, "claim_run", None)
+  if claim is None:  # a feed that keeps no run identity
+    return
+  sender.run_id = agreed_bytes(sender.run_id)
+  owner = agreed_bytes(claim(sender.run_id) if jax.process_index() == 0 else sender.run_id)
+  if owner != sender.run_id:
+    raise ConfigError(
+        f"this feed belongs to run {owner.hex()} (another trainer publishes into it), not to "
+        f"this sender's run {sender.run_id.hex()}: a feed has one publisher. To resume a run "
+        "after a restart, restore the sender from its saved state (Sender.restore); to start "
+        "a new run, use a new feed")

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import jax
 
 from jsparse._src.engine.agreement import agreed_entry
 from jsparse._src.engine.feed import Entry, Feed, PartsLostError
 from jsparse._src.errors import IntegrityError, PayloadError, VersionError
+from jsparse._src.options import float_option, int_option
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
 from jsparse._src.sync.receiver import Receiver
@@ -40,10 +42,15 @@ _TRANSIENT = PayloadError("damaged or missing parts")  # read them again once
 @dataclasses.dataclass
 class SubscriberStats:
   """What a subscriber did so far: versions applied, by kind; reads retried; versions skipped
-  (failed twice); anchors requested; bytes read.
+  (failed twice); anchors requested; bytes read; and whether it is stalled now.
 
-  >>> SubscriberStats().deltas
-  0
+  Attributes:
+    stalled: None while the rollout can follow the feed; else why it cannot (the feed has newer
+      versions, but no delta from the version it holds and no newer anchor).
+    stalls: how many times it became stalled.
+
+  >>> SubscriberStats().deltas, SubscriberStats().stalled
+  (0, None)
   """
 
   deltas: int = 0
@@ -52,6 +59,8 @@ class SubscriberStats:
   skipped: int = 0
   anchor_requests: int = 0
   bytes_read: int = 0
+  stalled: str | None = None
+  stalls: int = 0
 
 
 class Subscriber:
@@ -62,6 +71,16 @@ class Subscriber:
     feed: the feed the trainer publishes into.
     start_with_anchor: the receiver does not hold any version of the trainer's (a rollout that
       joins with empty weights): ask for an anchor, and take only anchors until one applies.
+    stall_versions, stall_seconds: a rollout that cannot follow the feed (the feed holds newer
+      versions, but no delta from its version and no newer anchor) asks for an anchor once it
+      is this many versions behind or has waited this long, whichever comes first, and again
+      after as many more: it never waits silently. :attr:`SubscriberStats.stalled` says why
+      it waits, and a warning is logged each time it asks.
+
+  The feed's run identity is checked at every poll: a receiver restored from the state of
+  another run (the feed was reset for a new run) does not serve its weights as this run's
+  version: it is detached (version 0, see :meth:`~jsparse.Receiver.detach`), with a warning,
+  and takes an anchor.
 
   >>> import tempfile, jax.numpy as jnp, jsparse
   >>> from jsparse import engine
@@ -75,15 +94,18 @@ class Subscriber:
   ([1], 1, 0.0)
   """
 
-  def __init__(self, receiver: Receiver, feed: Feed, *, start_with_anchor: bool = False):
+  def __init__(self, receiver: Receiver, feed: Feed, *, start_with_anchor: bool = False,
+               stall_versions: int = 2, stall_seconds: float = 60.0):
     self.receiver = receiver
     self.feed = feed
+    self.stall_versions = int_option("stall_versions", stall_versions, minimum=1)
+    self.stall_seconds = float_option("stall_seconds", stall_seconds)
     self.stats = SubscriberStats()
     self._skipped: set[Entry] = set()
     self._needs_anchor = bool(start_with_anchor)
+    self._stall: tuple[float, int] | None = None  # since when, at which feed version: asked
     if start_with_anchor:
-      self.stats.anchor_requests += 1
-      feed.request_anchor()
+      self._request_anchor()
 
   @property
   def version(self) -> int:
@@ -96,6 +118,7 @@ class Subscriber:
 
   def poll(self) -> list[int]:
     """Applies every version available now, in order; returns the versions applied."""
+    self._check_run()
     applied = []
     while (entry := agreed_entry(self._next())) is not None:
       outcome = self._apply(entry)
@@ -108,9 +131,55 @@ class Subscriber:
       self._skipped.add(entry)
       self.stats.skipped += 1
       self._needs_anchor = True
-      self.stats.anchor_requests += 1
-      self.feed.request_anchor()
+      self._request_anchor()
+      self._stall = (time.monotonic(), entry.version)  # the bound counts from this request
+    self._check_stall()
     return applied
+
+  def _request_anchor(self) -> None:
+    self.stats.anchor_requests += 1
+    self.feed.request_anchor()
+
+  def _check_run(self) -> None:
+    """Detaches a receiver that holds another run's state (see the class docstring)."""
+    run_of = getattr(self.feed, "run_id", None)
+    feed_run = run_of() if run_of is not None else None
+    if feed_run is None or self.receiver.run_id == feed_run:
+      return
+    if self.receiver.run_id is not None and self.receiver.version:
+      logging.getLogger("jsparse").warning(
+          "jsparse: this rollout holds version %d of run %s, but the feed belongs to run %s "
+          "(reset for a new run): its weights are not served as this run's; it takes an "
+          "anchor", self.receiver.version, self.receiver.run_id.hex(), feed_run.hex())
+      self.receiver.detach()
+      self._needs_anchor = True
+      self._request_anchor()
+    self.receiver.run_id = feed_run
+
+  def _check_stall(self) -> None:
+    """Asks for an anchor, bounded by ``stall_versions`` and ``stall_seconds``, while the feed
+    holds newer versions that this rollout cannot use (the poll applied all it could)."""
+    entries = self.feed.entries()
+    newest = max((e.version for e in entries), default=0)
+    if newest <= self.version:
+      self._stall, self.stats.stalled = None, None
+      return
+    now = time.monotonic()
+    missing = "no anchor newer than it" if self._needs_anchor else \
+        "no delta from it and no newer anchor"
+    if self.stats.stalled is None:
+      self.stats.stalls += 1
+    self.stats.stalled = f"the feed holds version {newest}, but this rollout holds " \
+        f"{self.version} and the feed has {missing}"
+    if self._stall is None:
+      self._stall = (now, self.version)
+    since, at = self._stall
+    if newest - at >= self.stall_versions or now - since >= self.stall_seconds:
+      logging.getLogger("jsparse").warning("jsparse: stalled: %s; asking for an anchor",
+                                           self.stats.stalled)
+      self._needs_anchor = True
+      self._request_anchor()
+      self._stall = (now, newest)  # ask again after as many more versions or seconds
 
   def _next(self) -> Entry | None:
     entries = [e for e in self.feed.entries() if e not in self._skipped]

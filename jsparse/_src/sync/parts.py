@@ -30,7 +30,7 @@ from jsparse._src.core.plan import Plan
 from jsparse._src.core.units import (Unit, block_box, local_value, needs_unit, owned_block_data,
                                      owned_slots, process_boxes, to_segment_positions,
                                      to_unit_positions, unit_slot, write_regions)
-from jsparse._src.errors import JsparseError, PayloadError
+from jsparse._src.errors import ArgumentError, JsparseError, PayloadError
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
 from jsparse._src.threads import parallel_map
@@ -149,6 +149,7 @@ class PartsReader:
     self._indexes: list[PartIndex] = []
     self._dense: list[tuple[Unit, SegmentPayload]] = []
     self._staged = StagedRecords(plan, held)
+    self._coverage = _Coverage(plan)
     self._units_read = 0
     self._bytes_read = 0
 
@@ -158,10 +159,14 @@ class PartsReader:
     already read).
 
     Raises:
-      PayloadError: a corrupt or foreign part, or one of another version than the first.
+      PayloadError: a corrupt or foreign part, one of another version than the first, or one
+        whose units cover blocks that this part or an earlier one covers already (refused
+        before any of its bodies is decoded: what a version stages is bounded by the plan).
     """
+    check_part(data)
     index = read_index(self.plan, data) if index is None else index
     _check_one_version(self._indexes + [index], complete=False)
+    self._coverage.add(index)
     wanted = [i for i, entry in enumerate(index.entries)
               if needs_unit(self.plan, entry.unit, self._boxes)]
     records = parallel_map(  # zstd and NumPy release the GIL: units decode in parallel
@@ -194,7 +199,7 @@ class PartsReader:
     if not self._indexes:
       raise PayloadError("no parts given")
     _check_one_version(self._indexes, complete=True)
-    counts = _check_coverage(self.plan, self._indexes)
+    counts = self._coverage.complete()
     indexes = self._indexes
     stats = ReadStats(len(indexes), sum(len(i.entries) for i in indexes), self._units_read,
                       sum(i.size for i in indexes), self._bytes_read)
@@ -211,11 +216,13 @@ def read_parts(plan: Plan, parts: Sequence, held: Sequence[jax.Array]) -> PartsR
     PayloadError: a corrupt, foreign, missing, repeated or mismatched part, or parts that do
       not cover every segment exactly once.
   """
-  if not len(parts):
-    raise PayloadError("no parts given")
+  check_parts(parts)
   indexes = [read_index(plan, p) for p in parts]  # every index checked before any body
   _check_one_version(indexes, complete=True)
-  _check_coverage(plan, indexes)
+  coverage = _Coverage(plan)
+  for index in indexes:
+    coverage.add(index)
+  coverage.complete()
   reader = PartsReader(plan, held)
   for data, index in zip(parts, indexes):
     reader.add(data, index)
@@ -242,20 +249,60 @@ def _check_one_version(indexes: Sequence[PartIndex], complete: bool) -> None:
                        f"{missing[:8]}, repeated {repeated[:8]}: nothing was applied")
 
 
-def _check_coverage(plan: Plan, indexes: Sequence[PartIndex]) -> np.ndarray:
-  """Per segment the sparse changes; raises unless the units cover every block once."""
-  covered = [np.zeros(seg.blocks, np.int64) for seg in plan.segments]
-  counts = np.zeros(len(plan.segments), np.int64)
-  for index in indexes:
+class _Coverage:
+  """Which blocks of each segment the parts read so far cover, and their sparse changes."""
+
+  def __init__(self, plan: Plan):
+    self.plan = plan
+    self.hits = [np.zeros(seg.blocks, np.int64) for seg in plan.segments]
+    self.counts = np.zeros(len(plan.segments), np.int64)
+
+  def add(self, index: PartIndex) -> None:
+    """Counts ``index``'s units; raises (counting nothing) if one covers a block twice."""
+    new = {}
     for entry in index.entries:
-      covered[entry.unit.segment][list(entry.unit.blocks)] += 1
+      s = entry.unit.segment
+      hits = new.setdefault(s, self.hits[s].copy())
+      hits[list(entry.unit.blocks)] += 1
+      if np.any(hits > 1):
+        raise PayloadError(f"part {index.header.part}: {self.plan.describe_segment(s)} is "
+                           "covered twice (by this part or an earlier one): nothing was "
+                           "applied")
+    for s, hits in new.items():
+      self.hits[s] = hits
+    for entry in index.entries:
       if entry.mode != Mode.DENSE:
-        counts[entry.unit.segment] += entry.count
-  for s, hits in enumerate(covered):
-    if np.any(hits != 1):
-      raise PayloadError(f"{plan.describe_segment(s)}: the parts cover its blocks "
-                         f"{hits.tolist()[:8]} times, not once each")
-  return counts
+        self.counts[entry.unit.segment] += entry.count
+
+  def complete(self) -> np.ndarray:
+    """Per segment the sparse changes; raises unless the units cover every block once."""
+    for s, hits in enumerate(self.hits):
+      if np.any(hits != 1):
+        raise PayloadError(f"{self.plan.describe_segment(s)}: the parts cover its blocks "
+                           f"{hits.tolist()[:8]} times, not once each")
+    return self.counts
+
+
+def check_parts(parts) -> None:
+  """Raises unless ``parts`` is a non-empty sequence of parts (see :func:`check_part`)."""
+  if isinstance(parts, (bytes, bytearray, memoryview, str)) or not hasattr(parts, "__len__") \
+      or not hasattr(parts, "__getitem__"):
+    raise ArgumentError(f"jsparse: expected a list of payload parts (e.g. [part]), got "
+                        f"{type(parts).__name__}")
+  if not len(parts):
+    raise PayloadError("no parts given")
+  for k, part in enumerate(parts):
+    check_part(part, k)
+
+
+def check_part(part, k: int | None = None) -> None:
+  """Raises unless ``part`` is one part's bytes: ``bytes``, or anything with ``len`` and
+  slicing to bytes (an ``mmap``, a NumPy ``uint8`` array, a feed's part)."""
+  if isinstance(part, (str, list, tuple, dict)) or not hasattr(part, "__len__") \
+      or not hasattr(part, "__getitem__"):
+    where = "" if k is None else f" {k}"
+    raise ArgumentError(f"jsparse: part{where} must be bytes (or support len() and slicing), "
+                        f"got {type(part).__name__}")
 
 
 def write_dense_units(plan: Plan, flat: list, read: PartsRead) -> list:

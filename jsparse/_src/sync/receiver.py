@@ -19,6 +19,7 @@ against the sender's. Nothing is written before the last record is in and checke
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable, Sequence
 
 import jax
@@ -33,7 +34,7 @@ from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
 from jsparse._src.sync import programs, staging
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
-                                     digest_bytes, versioned_digest)
+                                     digest_bytes, state_run, versioned_digest)
 from jsparse._src.wire import framing
 from jsparse._src.wire.payload import (Format, Kind, Mode, Payload, SegmentPayload,
                                        ranked_segments)
@@ -51,6 +52,9 @@ class Receiver:
   non-donating receiver unchanged, and a donating one out of sync until an anchor. Each leaf
   keeps the sharding of the array it was given; a leaf split into blocks over a mesh is updated
   block by block, each device keeping only the changes inside its own block.
+
+  A receiver is safe to share between threads: it applies one version at a time (a lock), so a
+  second thread delivering the same payload waits, then gets a :class:`VersionError`.
 
   Args:
     plan: the sender's plan.
@@ -79,6 +83,8 @@ class Receiver:
     self._donate = donate
     self._bits = digest_bytes(programs.leaves_digest(plan, self._flat, self._layouts))
     self.last_read: parts_lib.ReadStats | None = None  # of the last receive_parts
+    self.run_id: bytes | None = None  # the run (feed) its version belongs to, once known
+    self._lock = threading.Lock()  # one version applied at a time
 
   @property
   def params(self) -> PyTree:
@@ -99,7 +105,22 @@ class Receiver:
   def state(self) -> SyncState:
     """What a restarted rollout needs to resume without a full resend. The arrays are the live
     params: save them before the next ``receive``."""
-    return SyncState.of(self.plan, self.version, self._bits, self.params)
+    return SyncState.of(self.plan, self.version, self._bits, self.params, self.run_id)
+
+  def detach(self) -> None:
+    """Forgets which version this receiver holds: its params stay, at version 0, and it then
+    accepts an anchor, or a delta whose base digest matches its params. For params that belong
+    to no version of the run being followed (e.g. restored from another run's state).
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)
+    >>> receiver = jsparse.Receiver(plan, {'w': jnp.zeros(8, jnp.bfloat16)}, version=8)
+    >>> receiver.detach()
+    >>> receiver.version
+    0
+    """
+    with self._lock:
+      self.version = 0
 
   @classmethod
   def restore(cls, plan: Plan, state: SyncState, *, donate: bool = True) -> "Receiver":
@@ -113,6 +134,7 @@ class Receiver:
     version, digest, params = check_state(plan, state, rollout_only=True)
     receiver = cls(plan, params, version=version, donate=donate)
     check_digest(receiver._bits, digest, version)
+    receiver.run_id = state_run(state)
     return receiver
 
   def receive(self, data: bytes) -> PyTree:
@@ -137,6 +159,10 @@ class Receiver:
     """Applies a payload whose ``header`` (versions, digests, format) is checked and whose
     ``records`` are taken one at a time: each sparse one is staged on the devices as it comes
     (``staging.py``), and nothing is written before the last has come."""
+    with self._lock:
+      return self._apply_records_locked(header, records)
+
+  def _apply_records_locked(self, header: Payload, records: Iterable[SegmentPayload]) -> PyTree:
     self._check_base(header)
     staged, dense, modes = staging.stage_records(self.plan, self._flat, records)
     flat = self._write_dense(dense)
@@ -209,6 +235,11 @@ class Receiver:
                   ) -> PyTree:
     """Applies a version read from parts, if every process of the rollout read it (``error``:
     why this process did not)."""
+    with self._lock:
+      return self._apply_read_locked(read, error)
+
+  def _apply_read_locked(self, read: "parts_lib.PartsRead | None", error: JsparseError | None
+                         ) -> PyTree:
     try:
       if error is None:
         self._check_base(read.header)

@@ -19,9 +19,11 @@ The sender keeps the last synced state in rollout dtypes. Each ``send`` runs two
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +41,8 @@ from jsparse._src.sync.parts import dense_records, part_records, processes_with
 from jsparse._src.sync.stream import (PartStream, produce, start_host_copies,
                                       start_segment_copies, stream_pieces)
 from jsparse._src.wire.parts import PartHeader, encode_part
-from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
-                                     digest_bytes, versioned_digest)
+from jsparse._src.sync.state import (RUN_BYTES, SyncState, check_digest, check_state,
+                                     check_version, digest_bytes, state_run, versioned_digest)
 from jsparse._src.wire import framing
 from jsparse._src.wire.payload import (Coding, Kind, Payload, segment_host_bits,
                                        segment_records)
@@ -127,6 +129,7 @@ class Sender:
     self._snapshot, digest = programs.snapshot_and_digest(plan, flat)
     self._bits = digest_bytes(digest)  # of the snapshot's bit patterns
     self._needs_anchor = False  # set when a payload failed after the snapshot moved on
+    self.run_id: bytes = os.urandom(RUN_BYTES)  # the run's identity in a feed (see engine)
     self._relaid: set[str] = set()  # leaves already warned about (laid out otherwise)
     self._owned: tuple | None = None  # the units this process sends in a part
     self._pieces: dict[int, tuple] = {}  # by chunk_bytes: this process's stream pieces
@@ -135,7 +138,7 @@ class Sender:
   def state(self) -> SyncState:
     """What a restarted trainer needs to resume without a full resend. The arrays are the live
     snapshot: save them before the next ``send``."""
-    return SyncState.of(self.plan, self.version, self._bits, self.snapshot)
+    return SyncState.of(self.plan, self.version, self._bits, self.snapshot, self.run_id)
 
   @classmethod
   def restore(cls, plan: Plan, state: SyncState, *, anchor_every: int | None = None,
@@ -149,25 +152,16 @@ class Sender:
     version, digest, params = check_state(plan, state, rollout_only=False)
     sender = cls(plan, params, version=version, anchor_every=anchor_every, coding=coding)
     check_digest(sender._bits, digest, version)
+    sender.run_id = state_run(state) or sender.run_id
     return sender
 
   def _placed_like_snapshot(self, flat: list) -> list:
-    """``flat`` with every leaf placed like the snapshot (which lies on the plan's layout). A
-    jitted train step may return a leaf laid out otherwise (XLA split a bias, or gathered a
-    matrix): it is resharded, with a warning the first time for each leaf."""
-    out = []
-    for x, old, leaf in zip(flat, self._snapshot, self.plan.leaves):
-      if x.sharding.is_equivalent_to(old.sharding, x.ndim):
-        out.append(x)
-        continue
-      if leaf.path not in self._relaid:
-        self._relaid.add(leaf.path)
-        logging.getLogger("jsparse").warning(
-            "jsparse: params leaf %s is laid out otherwise than the plan (%s, not %s): "
-            "resharded for every diff; make the plan from arrays laid out like the trainer's",
-            leaf.path, x.sharding, old.sharding)
-      out.append(jax.device_put(x, old.sharding))
-    return out
+    """``flat`` ready to be diffed against the snapshot (see
+    :func:`~jsparse._src.core.placement.placed_for_diff`): a leaf the plan holds whole may come
+    laid out as the train step left it; one laid out otherwise than the plan's blocks, or on
+    other devices, is resharded, with a warning the first time for each leaf."""
+    from jsparse._src.core.placement import placed_for_diff
+    return placed_for_diff(self.plan, flat, self._snapshot, self._relaid)
 
   @property
   def digest(self) -> bytes:
@@ -193,11 +187,8 @@ class Sender:
       PlanMismatchError: ``params`` do not match the plan (the leaf is named).
       VersionError: ``version`` is not newer than the sender's.
     """
-    try:
+    with self._anchor_next_if_moved():
       data = framing.encode(self.plan, self._payload(params, full, version))
-    except BaseException:
-      self._needs_anchor = True  # the receiver never gets this version: resync with an anchor
-      raise
     self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data))
     return data
 
@@ -206,11 +197,21 @@ class Sender:
               version: int | None = None) -> Payload:
     """Like :meth:`send`, but returns the decoded payload (what
     :meth:`Receiver.apply_payload` applies), not its bytes."""
-    payload = self._payload(params, full, version)
-    try:
+    with self._anchor_next_if_moved():
+      payload = self._payload(params, full, version)
       return dataclasses.replace(payload, segments=tuple(payload.segments))
+
+  @contextlib.contextmanager
+  def _anchor_next_if_moved(self):
+    """Makes the next payload an anchor if what runs inside fails after the sender moved to the
+    new version (the receiver never gets that version); a call refused before anything moved
+    (a bad argument, a version not newer) changes nothing, not even the next payload's kind."""
+    before = self.version
+    try:
+      yield
     except BaseException:
-      self._needs_anchor = True
+      if self.version != before:
+        self._needs_anchor = True
       raise
 
   def _payload(self, params: PyTree, full: bool, version: int | None) -> Payload:
@@ -249,12 +250,9 @@ class Sender:
     def mine(changes: programs.DeviceChanges, snapshot: list, full: bool) -> list:
       return part_records(self.plan, self.coding, self._units, changes, snapshot, full)
 
-    head, records = self._step(params, full, version, mine)
-    try:
+    with self._anchor_next_if_moved():
+      head, records = self._step(params, full, version, mine)
       data = self._encode_part(head, records)
-    except BaseException:
-      self._needs_anchor = True
-      raise
     self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data))
     return data
 
@@ -284,28 +282,74 @@ class Sender:
     >>> len(parts), max(len(p) for p in parts) < 420_000, sender.last_stats.payload_bytes
     (2, True, 800376)
     """
-    chunk_bytes = int_option("chunk_bytes", chunk_bytes, minimum=1)
-    if chunk_bytes not in self._pieces:  # the same every step
-      self._pieces[chunk_bytes] = stream_pieces(self.plan, self._snapshot, chunk_bytes)
-    pieces, per_process = self._pieces[chunk_bytes]
+    pieces, per_process = self._stream_pieces(chunk_bytes)
     head, (changes, snapshot, full) = self._step(params, full, version,
                                                  lambda *stage: stage)
     self._needs_anchor = True  # until the last part is out
-    head = dataclasses.replace(head, parts=per_process * jax.process_count())
-    first = jax.process_index() * per_process
-
-    def encode(k: int, piece: tuple) -> bytes:
-      records = part_records(self.plan, self.coding, piece, changes, snapshot, full)
-      return encode_part(self.plan, dataclasses.replace(head, part=first + k), piece, records,
-                         threads=1)  # the pool codes parts side by side
 
     def done(total: int) -> None:
       self._needs_anchor = False
       self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=total)
 
-    numbers = range(first, first + per_process)
-    prefetch = None if full else functools.partial(start_host_copies, changes)
-    return PartStream(numbers, head.parts, produce(pieces, encode, done, prefetch))
+    return self._part_stream(
+        head, pieces, per_process,
+        lambda piece: part_records(self.plan, self.coding, piece, changes, snapshot, full),
+        done, None if full else functools.partial(start_host_copies, changes))
+
+  def anchor_stream(self, *, chunk_bytes: int = 64 << 20) -> PartStream:
+    """An anchor of the *current* version (the snapshot, every unit dense) as a stream of parts
+    of at most ``chunk_bytes`` of rollout data each, without moving to a new version: what a
+    publisher offers next to a delta, for rollouts that fell behind or lost their state, with
+    no more than a few parts on the host at a time. Every process calls it alike, as
+    ``send_stream``. Iterate it to the end before the next ``send``: it reads the snapshot,
+    which the next diff replaces.
+
+    Raises:
+      VersionError: at version 0 (an anchor must be newer than what a receiver can hold).
+      ConfigError: ``chunk_bytes`` is not a positive int.
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> params = {f'w{i}': jnp.zeros(100_000) for i in range(4)}
+    >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+    >>> sender = jsparse.Sender(plan, params, version=3)
+    >>> stream = sender.anchor_stream(chunk_bytes=400_000)
+    >>> receiver = jsparse.Receiver(plan, {k: v.astype(jnp.bfloat16) + 1 for k, v in params.items()})
+    >>> _ = receiver.receive_parts(list(stream))
+    >>> stream.parts, stream.anchor, receiver.version, float(receiver.params['w0'][0])
+    (2, True, 3, 0.0)
+    """
+    if self.version == 0:
+      raise VersionError("an anchor of version 0 would not be newer than any receiver's state")
+    pieces, per_process = self._stream_pieces(chunk_bytes)
+    head = PartHeader(self.coding.format, Kind.ANCHOR, False, self.version - 1, self.version,
+                      bytes(8), self.digest, 0, 1)
+    snapshot = self._snapshot
+    return self._part_stream(head, pieces, per_process,
+                             lambda piece: dense_records(self.plan, piece, snapshot))
+
+  def _stream_pieces(self, chunk_bytes: int) -> tuple[list, int]:
+    """This process's pieces of at most ``chunk_bytes`` and the pieces per process (cached:
+    the same every step)."""
+    chunk_bytes = int_option("chunk_bytes", chunk_bytes, minimum=1)
+    if chunk_bytes not in self._pieces:
+      self._pieces[chunk_bytes] = stream_pieces(self.plan, self._snapshot, chunk_bytes)
+    return self._pieces[chunk_bytes]
+
+  def _part_stream(self, head: PartHeader, pieces: list, per_process: int,
+                   records_of, done=None, prefetch=None) -> PartStream:
+    """This process's parts of the version ``head`` states, piece ``k`` coded from
+    ``records_of(piece)`` as part ``process * per_process + k`` (see :func:`stream.produce`)."""
+    head = dataclasses.replace(head, parts=per_process * jax.process_count())
+    first = jax.process_index() * per_process
+
+    def encode(k: int, piece: tuple) -> bytes:
+      return encode_part(self.plan, dataclasses.replace(head, part=first + k), piece,
+                         records_of(piece), threads=1)  # the pool codes parts side by side
+
+    return PartStream(range(first, first + per_process), head.parts,
+                      produce(pieces, encode, done or (lambda total: None), prefetch),
+                      version=head.version, base_version=head.base_version,
+                      anchor=head.kind == Kind.ANCHOR)
 
   @property
   def _units(self) -> tuple:
@@ -356,11 +400,16 @@ class Sender:
     flat = self._placed_like_snapshot(commit_leaves(self.plan.flatten(params, what="params")))
     snapshot_ids = {id(x) for x in self._snapshot}  # the snapshot is donated below
     flat = [jnp.copy(x) if id(x) in snapshot_ids else x for x in flat]
-    changes, self._snapshot, digest = programs.sender_changes(
-        self.plan, self.coding, self._snapshot, flat, ranks=not full)
-    snapshot = self._snapshot  # the old one was donated: from here on, only an anchor is exact
+    old = self._snapshot
     try:
-      records = host_stage(changes, snapshot, full)
+      changes, self._snapshot, digest = programs.sender_changes(
+          self.plan, self.coding, old, flat, ranks=not full)
+    except BaseException:
+      if any(x.is_deleted() for x in old):  # donated: from here on, only an anchor is exact
+        self._needs_anchor = True
+      raise
+    try:
+      records = host_stage(changes, self._snapshot, full)
     except BaseException:
       self._needs_anchor = True
       raise

@@ -38,24 +38,45 @@ class SyncState(NamedTuple):
     plan: ``uint8[16]``, the plan's fingerprint.
     params: the synced tree, in rollout dtypes; a zero-size leaf is stored as a one-element
       placeholder (Orbax refuses zero-size arrays), restored to its shape on resume.
+    run: ``uint8[16]``, the identity of the run (the feed) the state belongs to; zeros: none
+      known (a sender or receiver that never joined a feed).
 
   >>> import jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(3)})
   >>> state = jsparse.SyncState.of(plan, 5, bytes(8), {'w': jnp.zeros(3)})
   >>> int(state.version), state.digest.tolist(), state._fields
-  (5, [0, 0], ('version', 'digest', 'plan', 'params'))
+  (5, [0, 0], ('version', 'digest', 'plan', 'params', 'run'))
   """
 
   version: Any
   digest: Any
   plan: Any
   params: PyTree
+  run: Any = None
 
   @classmethod
-  def of(cls, plan: Plan, version: int, digest: bytes, params: PyTree) -> "SyncState":
-    """The state of ``params`` at ``version`` with an 8-byte ``digest``."""
+  def of(cls, plan: Plan, version: int, digest: bytes, params: PyTree,
+         run: bytes | None = None) -> "SyncState":
+    """The state of ``params`` at ``version`` with an 8-byte ``digest``, of run ``run`` (16
+    bytes, or None)."""
     return cls(np.array(version, np.int64), np.frombuffer(digest, "<u4").astype(np.uint32),
-               np.frombuffer(plan.fingerprint, np.uint8).copy(), storable(plan, params))
+               np.frombuffer(plan.fingerprint, np.uint8).copy(), storable(plan, params),
+               np.frombuffer(run or bytes(RUN_BYTES), np.uint8).copy())
+
+
+RUN_BYTES = 16
+
+
+def state_run(state: Any) -> bytes | None:
+  """The run id a :class:`SyncState` (or its mapping) belongs to; None if none is known (zeros,
+  or a state saved without one)."""
+  run = state.get("run") if isinstance(state, Mapping) else getattr(state, "run", None)
+  if run is None:
+    return None
+  run = np.asarray(run, np.uint8).tobytes()
+  if len(run) != RUN_BYTES:
+    raise PlanMismatchError(f"sync state: run must be uint8[{RUN_BYTES}], got {len(run)} bytes")
+  return run if any(run) else None
 
 
 def abstract_sync_state(plan: Plan, shardings: PyTree | None = None) -> SyncState:
@@ -68,7 +89,7 @@ def abstract_sync_state(plan: Plan, shardings: PyTree | None = None) -> SyncStat
   dtype(bfloat16)
   """
   return SyncState(np.zeros((), np.int64), np.zeros(2, np.uint32), np.zeros(16, np.uint8),
-                   storable_shapes(plan, shardings))
+                   storable_shapes(plan, shardings), np.zeros(RUN_BYTES, np.uint8))
 
 
 def storable(plan: Plan, tree: PyTree) -> PyTree:
@@ -108,7 +129,8 @@ def check_version(version: Any) -> int:
 def check_state(plan: Plan, state: Any, *, rollout_only: bool) -> tuple[int, bytes, PyTree]:
   """(version, digest bytes, params) of a :class:`SyncState` (or a mapping with its fields, as
   Orbax restores it without a target), checked against ``plan``."""
-  if isinstance(state, Mapping) and set(state) == set(SyncState._fields):
+  if isinstance(state, Mapping) and set(state) in (set(SyncState._fields),
+                                                   set(SyncState._fields) - {"run"}):
     state = SyncState(**state)
   if not isinstance(state, SyncState):
     raise PlanMismatchError(f"sync state: expected a jsparse.SyncState, got {type(state)}")

@@ -66,6 +66,9 @@ class PartStream:
   Attributes:
     parts: how many parts the version has (all processes together).
     numbers: the numbers of this process's parts, in the order they are produced.
+    version: the version the parts produce; ``base_version``: the version a delta applies to.
+    anchor: whether the version is an anchor (accepted on any older base), whether it was asked
+      for or the sender had to resync (a version it moved to was never delivered whole).
 
   >>> import jax.numpy as jnp, jsparse
   >>> params = {'a': jnp.zeros(70000), 'b': jnp.zeros(70000)}
@@ -73,10 +76,14 @@ class PartStream:
   >>> stream = jsparse.Sender(plan, params).send_stream(params, chunk_bytes=150_000)
   >>> stream.parts, list(stream.numbers), [len(part) for part in stream]
   (2, [0, 1], [103, 103])
+  >>> stream.version, stream.base_version, stream.anchor
+  (1, 0, False)
   """
 
-  def __init__(self, numbers: range, parts: int, produced: Iterator[bytes]):
+  def __init__(self, numbers: range, parts: int, produced: Iterator[bytes], *, version: int,
+               base_version: int, anchor: bool):
     self.numbers, self.parts = numbers, parts
+    self.version, self.base_version, self.anchor = version, base_version, anchor
     self._produced = produced
 
   def __iter__(self) -> "PartStream":

@@ -65,7 +65,7 @@ class FeedLink:
 
   def sync(self, params: PyTree) -> Moved:
     before = self.publisher.bytes_put
-    self.publisher.publish(params, anchor=self._anchor)
+    self.publisher.publish(params, full=self._anchor)  # other bits: the version as an anchor
     self._anchor = False
     self.subscriber.poll()
     if self.subscriber.version != self.sender.version:

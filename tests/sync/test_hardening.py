@@ -1,0 +1,123 @@
+"""A receiver under hostile or careless use: parts that repeat what a stream already holds are
+refused before they are decoded (what a version stages is bounded by the plan), concurrent
+deliveries are serialized, and arguments of the wrong type get errors that say what was
+expected."""
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse._src.wire import parts as parts_wire
+from jsparse.testing import assert_trees_bitwise_equal, trees_bitwise_equal
+from tests import strategies
+
+
+def _setup(seed=0, leaves=4, size=20_000):
+  rng = np.random.default_rng(seed)
+  params = {f"w{i}": jnp.asarray(rng.normal(size=size).astype(np.float32))
+            for i in range(leaves)}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=1.0)
+  new = {k: jnp.asarray(strategies.perturb(rng, np.asarray(v), 0.5)) for k, v in params.items()}
+  return plan, params, new
+
+
+def _repeating(plan, part, times):
+  """``part`` rebuilt (valid checksums) with its first unit listed ``times`` times."""
+  index = parts_wire.read_index(plan, part)
+  record = parts_wire.read_unit(plan, index, part, 0)
+  return parts_wire.encode_part(plan, index.header, [index.entries[0].unit] * times,
+                                [record] * times)
+
+
+def test_a_stream_refuses_a_part_repeating_covered_units_before_decoding_it():
+  plan, params, new = _setup()
+  sender = jsparse.Sender(plan, params)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  parts = list(sender.send_stream(new, chunk_bytes=40_000))
+  assert len(parts) >= 2
+  stream = receiver.open_stream()
+  staged = stream._reader._staged
+  with pytest.raises(jsparse.PayloadError, match="covered twice"):
+    stream.add(_repeating(plan, parts[0], 150))  # one unit, 150 times
+  assert not staged._counts.any()  # refused before a single body was decoded or staged
+  stream = receiver.open_stream()
+  stream.add(parts[0])
+  counted = stream._reader._staged._counts.copy()
+  for repeat in (parts[0], _repeating(plan, parts[0], 1)):  # the same unit again, in a new part
+    with pytest.raises(jsparse.PayloadError):
+      stream.add(repeat)
+    assert (stream._reader._staged._counts == counted).all()
+  with pytest.raises(jsparse.PayloadError):
+    stream.commit()
+  assert receiver.version == 0
+  stream = receiver.open_stream()  # the next delivery of the version is accepted
+  for part in parts:
+    stream.add(part)
+  assert_trees_bitwise_equal(stream.commit(), plan.cast(new))
+
+
+def test_receive_parts_refuses_a_unit_covered_twice_before_decoding():
+  plan, params, new = _setup()
+  sender = jsparse.Sender(plan, params)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  (part,) = [sender.send_part(new)]
+  with pytest.raises(jsparse.PayloadError, match="covered twice"):
+    receiver.receive_parts([_repeating(plan, part, 2)])
+  assert_trees_bitwise_equal(receiver.receive_parts([part]), plan.cast(new))
+
+
+@pytest.mark.parametrize("via", ["receive", "receive_parts"])
+def test_concurrent_deliveries_of_one_version_apply_it_once(via):
+  plan, params, new = _setup(leaves=2, size=4096)
+  for trial in range(6):
+    sender = jsparse.Sender(plan, params)
+    receiver = jsparse.Receiver(plan, plan.cast(params), donate=True)
+    data = sender.send(new) if via == "receive" else [sender.send_part(new)]
+    deliver = getattr(receiver, via)
+    outcomes, barrier = [], threading.Barrier(2)
+
+    def deliver_once():
+      barrier.wait()
+      try:
+        deliver(data)
+        outcomes.append("applied")
+      except jsparse.JsparseError as e:
+        outcomes.append(type(e).__name__)
+
+    threads = [threading.Thread(target=deliver_once) for _ in range(2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    assert sorted(outcomes) == ["VersionError", "applied"], (trial, outcomes)
+    assert receiver.version == 1
+    assert trees_bitwise_equal(receiver.params, plan.cast(new)), trial
+
+
+@pytest.mark.parametrize("parts, message", [
+    (b"a part", "list of payload parts"),
+    (None, "list of payload parts"),
+    (7, "list of payload parts"),
+    (["a str"], "part 0 must be bytes"),
+    ([b"ok", None], "part 1 must be bytes"),
+])
+def test_receive_parts_names_what_it_expects(parts, message):
+  plan, params, _ = _setup(leaves=1, size=8)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  with pytest.raises(jsparse.ArgumentError, match=message):
+    receiver.receive_parts(parts)
+  with pytest.raises(TypeError):  # ArgumentError is a TypeError too
+    receiver.receive_parts(parts)
+
+
+@pytest.mark.parametrize("bad", ["a str", None, 7, [b"x"]])
+def test_receive_and_stream_add_name_what_they_expect(bad):
+  plan, params, _ = _setup(leaves=1, size=8)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  with pytest.raises(jsparse.PayloadError, match="must be bytes"):
+    receiver.receive(bad)
+  with pytest.raises(jsparse.ArgumentError, match="bytes"):
+    receiver.open_stream().add(bad)
