@@ -16,7 +16,7 @@ True
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.blocks import block_positions
 from jsparse._src.core.layout import Layout
+from jsparse._src.errors import ConfigError
 
 _SEEDS = ((0x9E3779B1, 0x85EBCA77), (0xC2B2AE3D, 0x27D4EB2F))
 
@@ -69,6 +70,46 @@ def _leaf_words(leaf: jax.Array) -> jax.Array:
   return _words(bits_lib.to_bits(leaf)).reshape(-1)
 
 
+def _explicitly_split(leaf: jax.Array) -> bool:
+  """Whether ``leaf`` is split over an Explicit mesh axis (its type names the axis): such a
+  leaf cannot always be flattened without saying how the result is sharded."""
+  spec = getattr(jax.typeof(leaf).sharding, "spec", None)
+  return spec is not None and any(axes is not None for axes in spec)
+
+
+@jax.jit  # traced, its type's (abstract) mesh places the positions without a mesh context
+def _shaped_digest(leaf: jax.Array, leaf_id: jax.Array) -> jax.Array:
+  """The digest of one leaf in its own shape (not flattened): each element's position is its
+  row-major index, so the sums are those of the flattened leaf, and the leaf keeps its
+  sharding (each device mixes its own elements; the reduction adds the partial sums)."""
+  words = _words(bits_lib.to_bits(leaf))
+  sharding = jax.typeof(words).sharding
+  positions, stride = None, 1
+  for d in reversed(range(words.ndim)):
+    term = lax.broadcasted_iota(jnp.uint32, words.shape, d, out_sharding=sharding)
+    term = term * jnp.uint32(stride) if stride != 1 else term
+    positions = term if positions is None else positions + term
+    stride *= words.shape[d]
+  return _mixed_sums(words, positions, leaf_id)
+
+
+def _as_leaves(tree: Any) -> list[jax.Array]:
+  """The leaves of ``tree`` (any pytree of arrays, e.g. a list of leaves), checked."""
+  flat = jax.tree.flatten_with_path(tree)[0]
+  if not flat and jax.tree.leaves(tree, is_leaf=lambda x: x is None):
+    raise ConfigError("bits_digest: expected a pytree of arrays, got a tree of None only")
+  leaves = []
+  for path, leaf in flat:
+    if isinstance(leaf, (np.ndarray, np.generic)):
+      leaf = jnp.asarray(leaf)
+    if not isinstance(leaf, jax.Array):
+      raise ConfigError(f"bits_digest: expected a pytree of arrays; leaf "
+                        f"{jax.tree_util.keystr(path) or '(the root)'} is a "
+                        f"{type(leaf).__name__}")
+    leaves.append(leaf)
+  return leaves
+
+
 def _split_leaf_digest(leaf: jax.Array, leaf_id: jax.Array, layout: Layout) -> jax.Array:
   def local(block, leaf_id):  # each device sums its own block; the partial sums add up
     partial = _mixed_sums(_leaf_words(block), block_positions(layout, leaf.shape).reshape(-1),
@@ -94,7 +135,8 @@ def _groups(leaves: Sequence[jax.Array], layouts: Sequence[Layout | None] | None
     if not leaf.size:
       key_of_last = None
       continue
-    stackable = _layout(layouts, j) is None and leaf.size <= _STACKED_MAX_SIZE
+    stackable = (_layout(layouts, j) is None and leaf.size <= _STACKED_MAX_SIZE
+                 and not _explicitly_split(leaf))
     key = leaf.size if stackable else None
     if key is not None and key == key_of_last:
       groups[-1].append(j)
@@ -104,20 +146,35 @@ def _groups(leaves: Sequence[jax.Array], layouts: Sequence[Layout | None] | None
   return groups
 
 
-def bits_digest(leaves: Sequence[jax.Array],
+def bits_digest(tree: Any,
                 layouts: Sequence[Layout | None] | None = None,
                 leaf_ids: jax.Array | None = None) -> jax.Array:
-  """Returns ``uint32[2]``, a position-sensitive digest of the bit patterns of ``leaves``.
+  """Returns ``uint32[2]``, a position-sensitive digest of the bit patterns of ``tree``'s
+  leaves.
 
-  ``layouts`` (static) says which leaves are split into blocks over a mesh; those are digested
-  block by block on the devices that hold them, without gathering. ``leaf_ids`` (``uint32``,
-  may be traced; default ``0, 1, ...``) are the leaves' ids in the whole tree: the digest of a
-  tree is the sum (mod 2**32) of the digests of any split of its leaves with their ids.
+  Args:
+    tree: a pytree of arrays (a list of leaves, a dict, a flax ``State``...): the digest is
+      that of its leaves in ``jax.tree.leaves`` order (for a list of arrays, the list). Leaves
+      sharded over a mesh, of Auto or Explicit axes, give the digest of the same values
+      unsharded.
+    layouts: (static) per leaf, a :class:`Layout` if it is split into blocks over a mesh (it
+      is then digested block by block on the devices that hold them, without gathering), or
+      ``None``.
+    leaf_ids: ``uint32`` per leaf (may be traced; default ``0, 1, ...``), the leaves' ids in
+      the whole tree: the digest of a tree is the sum (mod 2**32) of the digests of any split
+      of its leaves with their ids.
+
+  Raises:
+    ConfigError: a leaf is not an array (a ``str``...), or the tree holds only ``None``.
 
   >>> import jax.numpy as jnp, jsparse
   >>> jsparse.bits_digest([jnp.zeros(3)]).shape
   (2,)
+  >>> tree = {'b': jnp.ones(2), 'a': jnp.zeros(3)}
+  >>> bool((jsparse.bits_digest(tree) == jsparse.bits_digest([tree['a'], tree['b']])).all())
+  True
   """
+  leaves = _as_leaves(tree)
   if leaf_ids is None:
     leaf_ids = np.arange(len(leaves), dtype=np.uint32)
   leaf_ids = jnp.asarray(leaf_ids, jnp.uint32)
@@ -127,6 +184,9 @@ def bits_digest(leaves: Sequence[jax.Array],
     layout = _layout(layouts, first)
     if layout is not None:  # a split leaf, always alone in its group
       total = total + _split_leaf_digest(leaves[first], leaf_ids[first], layout)
+      continue
+    if len(group) == 1 and _explicitly_split(leaves[first]):
+      total = total + _shaped_digest(leaves[first], leaf_ids[first])
       continue
     members = [_leaf_words(leaves[j]) for j in group]
     words = jnp.stack(members) if len(members) > 1 else members[0]  # [leaves, size] or [size]

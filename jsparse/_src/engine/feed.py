@@ -9,8 +9,8 @@ entries only), so a rollout never sees half a version.
 >>> feed = DirectoryFeed(tempfile.mkdtemp())
 >>> entry = Entry(version=1, kind="anchor", base=0, parts=2)
 >>> feed.put(entry, 0, b"first half")
->>> feed.entries()
-[]
+>>> feed.entries(), feed.pending() == [entry]
+([], True)
 >>> feed.put(entry, 1, b"second half")
 >>> feed.entries() == [entry], [bytes(p) for p in feed.parts(entry)]
 (True, [b'first half', b'second half'])
@@ -18,13 +18,14 @@ entries only), so a rollout never sees half a version.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import mmap
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 from jsparse._src.errors import JsparseError
 
@@ -32,7 +33,8 @@ KINDS = ("delta", "anchor")
 
 
 class PartsLostError(JsparseError):
-  """A committed version's parts can no longer be read (deleted, or their owner died)."""
+  """A committed version's parts can no longer be read (deleted, truncated, their owner died),
+  or the feed holds something unexpected where a part, entry or marker belongs."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -51,8 +53,14 @@ class Entry:
 
 
 class Feed(Protocol):
-  """Where a publisher puts parts and subscribers find them: six methods, so that another
+  """Where a publisher puts parts and subscribers find them: seven methods, so that another
   store (an object store API, a message queue) is one small class.
+
+  :meth:`entries` lists the committed entries (every part put); :meth:`pending` those with
+  some parts put and not committed, e.g. left by a publish that failed half-way: the
+  publisher's retention removes (:meth:`remove`) pending entries older than the version it
+  is publishing. :meth:`parts` returns the parts of a committed entry as objects with ``len``
+  and slicing (``bytes``-like), or raises :class:`PartsLostError`.
 
   >>> import tempfile
   >>> isinstance(DirectoryFeed(tempfile.mkdtemp()).entries(), list)
@@ -61,6 +69,7 @@ class Feed(Protocol):
 
   def put(self, entry: Entry, part: int, data: bytes) -> None: ...
   def entries(self) -> list[Entry]: ...
+  def pending(self) -> list[Entry]: ...
   def parts(self, entry: Entry) -> Sequence: ...
   def remove(self, entry: Entry) -> None: ...
   def request_anchor(self) -> None: ...
@@ -68,14 +77,107 @@ class Feed(Protocol):
 
 
 _NAME = re.compile(r"^v(\d{20})-(delta|anchor)-from-(\d{20})-of-(\d{5})$")
+_PART = re.compile(r"^part-(\d{5})\.bin$")
 _COMMITTED = "COMMITTED"
+_ANCHOR_REQUESTED = "ANCHOR_REQUESTED"
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _sort_key(entry: Entry) -> tuple[int, int]:
+  return entry.version, KINDS.index(entry.kind)
+
+
+def _what(mode: int) -> str:
+  """What kind of file ``mode`` (an ``st_mode``) is, in words."""
+  for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                     (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                     (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                     (stat.S_ISBLK, "a block device")):
+    if test(mode):
+      return name
+  return "an unknown kind of file"
+
+
+class FilePart:
+  """One part file, open for reading: ``len`` and slicing read only the bytes asked for, with
+  ``os.pread`` on the file held open (not memory-mapped: a file truncated under a map would
+  kill the reader with ``SIGBUS``). A read that comes back short (the file was truncated since
+  it was opened) raises :class:`PartsLostError`. Close it (:meth:`close`, or ``with``), or let
+  it be collected.
+
+  >>> import tempfile
+  >>> feed = DirectoryFeed(tempfile.mkdtemp())
+  >>> feed.put(Entry(1, "delta", 0, 1), 0, b"0123456789")
+  >>> with feed.parts(Entry(1, "delta", 0, 1))[0] as part:
+  ...   len(part), part[2:5], part[-2:], part[3]
+  (10, b'234', b'89', 51)
+  """
+
+  def __init__(self, fd: int, size: int, name: str):
+    self._fd, self._size, self.name = fd, size, name
+
+  def __len__(self) -> int:
+    return self._size
+
+  def __getitem__(self, index: slice | int) -> bytes | int:
+    if isinstance(index, slice):
+      start, stop, step = index.indices(self._size)
+      if step != 1:
+        raise ValueError(f"{self.name}: only contiguous slices of a part can be read")
+      return self._read(start, max(stop - start, 0))
+    position = index + self._size if index < 0 else index
+    if not 0 <= position < self._size:
+      raise IndexError(f"{self.name}: byte {index} is outside the part's {self._size} bytes")
+    return self._read(position, 1)[0]
+
+  def __bytes__(self) -> bytes:
+    return self._read(0, self._size)
+
+  def _read(self, start: int, length: int) -> bytes:
+    if self._fd < 0:
+      raise ValueError(f"{self.name}: read from a closed part")
+    chunks, done = [], 0
+    while done < length:
+      try:
+        chunk = os.pread(self._fd, length - done, start + done)
+      except OSError as e:
+        raise PartsLostError(f"{self.name}: read failed ({e})") from e
+      if not chunk:
+        raise PartsLostError(f"{self.name}: truncated to {start + done} bytes while being read "
+                             f"(it had {self._size})")
+      chunks.append(chunk)
+      done += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+  def close(self) -> None:
+    fd, self._fd = self._fd, -1
+    if fd >= 0:
+      os.close(fd)
+
+  def __enter__(self) -> "FilePart":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def __del__(self):
+    with contextlib.suppress(Exception):
+      self.close()
 
 
 class DirectoryFeed:
-  """A feed in a directory: one sub-directory per entry, each part written atomically
-  (a temporary file renamed), and a ``COMMITTED`` marker written by whichever writer sees the
-  last part arrive. Readers ``mmap`` the parts, so a rollout process reads only the bytes it
-  needs.
+  """A feed in a directory: one sub-directory per entry, each part written atomically (a
+  temporary file, synced, renamed), and a ``COMMITTED`` marker created by whichever writer sees
+  the last part arrive (after syncing the directory, so a crash cannot leave a committed name
+  over unwritten data). Readers get :class:`FilePart` objects, so a rollout process reads only
+  the bytes it needs.
+
+  Only regular files and directories that the feed made are used: nothing is followed through
+  a symbolic link, opened if it is not a regular file (a FIFO cannot block a reader), or
+  written or deleted outside the root; anything else found in a part's, entry's or marker's
+  place is a :class:`PartsLostError` naming it, and :meth:`entries` does not list it.
 
   Args:
     root: the directory (created if missing).
@@ -91,68 +193,256 @@ class DirectoryFeed:
     self.root = Path(root)
     self.root.mkdir(parents=True, exist_ok=True)
 
+  @staticmethod
+  def _name(entry: Entry) -> str:
+    return (f"v{entry.version:020d}-{entry.kind}-from-{entry.base:020d}"
+            f"-of-{entry.parts:05d}")
+
   def _dir(self, entry: Entry) -> Path:
-    return self.root / (f"v{entry.version:020d}-{entry.kind}-from-{entry.base:020d}"
-                        f"-of-{entry.parts:05d}")
+    return self.root / self._name(entry)
+
+  @contextlib.contextmanager
+  def _root_fd(self) -> Iterator[int]:
+    fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+      yield fd
+    finally:
+      os.close(fd)
+
+  @contextlib.contextmanager
+  def _entry_fd(self, root: int, entry: Entry, *, create: bool = False) -> Iterator[int]:
+    """The entry's directory, open (never through a symbolic link)."""
+    name = self._name(entry)
+    if create:
+      with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o755, dir_fd=root)
+    try:
+      fd = os.open(name, _DIR, dir_fd=root)
+    except FileNotFoundError as e:
+      raise PartsLostError(f"version {entry.version} ({entry.kind}) is no longer in the feed "
+                           f"({self.root / name} is gone)") from e
+    except OSError as e:
+      raise PartsLostError(f"{self.root / name}: expected the entry's directory, found "
+                           f"{_found(name, root)}") from e
+    try:
+      yield fd
+    finally:
+      os.close(fd)
 
   def put(self, entry: Entry, part: int, data: bytes) -> None:
-    """Writes part ``part`` of ``entry``; commits the entry when all its parts are there."""
-    where = self._dir(entry)
-    where.mkdir(parents=True, exist_ok=True)
-    _write_atomically(where / f"part-{part:05d}.bin", data)
-    if len(list(where.glob("part-*.bin"))) == entry.parts:
-      _write_atomically(where / _COMMITTED, b"")
+    """Writes part ``part`` of ``entry``; commits the entry when all its parts are there.
+
+    Raises:
+      PartsLostError: something that the feed did not make is in the entry's or the part's
+        place (e.g. a symbolic link): nothing is written through it.
+    """
+    if not 0 <= part < entry.parts:
+      raise ValueError(f"part {part} of an entry of {entry.parts} parts")
+    with self._root_fd() as root, self._entry_fd(root, entry, create=True) as where:
+      _write_atomically(where, f"part-{part:05d}.bin", data, self._dir(entry))
+      if len(_part_files(where, entry.parts)) == entry.parts:
+        os.fsync(where)  # the parts' names are durable before the marker is
+        _create_marker(where, _COMMITTED, self._dir(entry))
+        os.fsync(where)
 
   def entries(self) -> list[Entry]:
     """The committed entries, by version (a delta before an anchor of the same version)."""
-    found = []
-    for path in self.root.iterdir():
-      match = _NAME.match(path.name)
-      if match and (path / _COMMITTED).exists():
-        version, kind, base, parts = match.groups()
-        found.append(Entry(int(version), kind, int(base), int(parts)))
-    return sorted(found, key=lambda e: (e.version, KINDS.index(e.kind)))
+    return sorted((e for e, committed in self._scan() if committed), key=_sort_key)
 
-  def parts(self, entry: Entry) -> list:
-    """The parts of a committed entry, memory-mapped.
+  def pending(self) -> list[Entry]:
+    """The entries begun and not committed (e.g. a publish that failed), by version."""
+    return sorted((e for e, committed in self._scan() if not committed), key=_sort_key)
+
+  def _scan(self) -> list[tuple[Entry, bool]]:
+    """Every entry that is a real directory, and whether its marker is a regular file."""
+    found = []
+    with self._root_fd() as root, os.scandir(root) as listing:
+      for item in listing:
+        match = _NAME.match(item.name)
+        if not match or not item.is_dir(follow_symlinks=False):
+          continue
+        try:
+          marker = os.stat(f"{item.name}/{_COMMITTED}", dir_fd=root, follow_symlinks=False)
+          committed = stat.S_ISREG(marker.st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+          committed = False
+        version, kind, base, parts = match.groups()
+        found.append((Entry(int(version), kind, int(base), int(parts)), committed))
+    return found
+
+  def parts(self, entry: Entry) -> list[FilePart]:
+    """The parts of a committed entry, open for reading (:class:`FilePart`).
 
     Raises:
-      PartsLostError: the entry was removed (retention) or a part is missing.
+      PartsLostError: the entry was removed (retention), a part is missing, or something
+        other than a regular file is in a part's place.
     """
-    maps = []
-    for part in range(entry.parts):
-      try:
-        with open(self._dir(entry) / f"part-{part:05d}.bin", "rb") as handle:
-          maps.append(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-                      if os.fstat(handle.fileno()).st_size else b"")
-      except FileNotFoundError as e:
-        raise PartsLostError(f"version {entry.version} ({entry.kind}): part {part} is gone") \
-            from e
-    return maps
+    opened: list[FilePart] = []
+    try:
+      with self._root_fd() as root, self._entry_fd(root, entry) as where:
+        for part in range(entry.parts):
+          opened.append(_open_part(where, f"part-{part:05d}.bin",
+                                   self._dir(entry) / f"part-{part:05d}.bin", entry, part))
+    except BaseException:
+      for p in opened:
+        p.close()
+      raise
+    return opened
 
   def part_bytes(self, entry: Entry) -> int:
-    return sum(p.stat().st_size for p in self._dir(entry).glob("part-*.bin"))
+    """The bytes of the entry's part files (0 if it is gone)."""
+    try:
+      with self._root_fd() as root, self._entry_fd(root, entry) as where:
+        return sum(os.stat(name, dir_fd=where, follow_symlinks=False).st_size
+                   for name in _part_files(where, entry.parts))
+    except PartsLostError:
+      return 0
 
   def remove(self, entry: Entry) -> None:
-    """Deletes an entry (its marker first, so that no reader starts on it)."""
-    where = self._dir(entry)
-    (where / _COMMITTED).unlink(missing_ok=True)
-    shutil.rmtree(where, ignore_errors=True)
+    """Deletes an entry, committed or pending (its marker first, so that no reader starts on
+    it), with any temporary files in it. Nothing outside the root is touched: a symbolic link
+    in the entry's place is removed itself."""
+    name = self._name(entry)
+    with self._root_fd() as root:
+      try:
+        found = os.stat(name, dir_fd=root, follow_symlinks=False)
+      except FileNotFoundError:
+        return
+      if not stat.S_ISDIR(found.st_mode):
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(name, dir_fd=root)
+        return
+      try:
+        with self._entry_fd(root, entry) as where, contextlib.suppress(OSError):
+          os.unlink(_COMMITTED, dir_fd=where)
+      except PartsLostError:
+        return  # gone, or replaced since the stat: not ours to delete
+      shutil.rmtree(name, dir_fd=root, ignore_errors=True)  # fd-based: follows no link
 
   def request_anchor(self) -> None:
-    """Asks the publisher for an anchor at its next version (a subscriber lost its state)."""
-    _write_atomically(self.root / "ANCHOR_REQUESTED", b"")
+    """Asks the publisher for an anchor at its next version (a subscriber lost its state).
+
+    Raises:
+      PartsLostError: a directory is in the request marker's place.
+    """
+    with self._root_fd() as root:
+      _create_marker(root, _ANCHOR_REQUESTED, self.root / _ANCHOR_REQUESTED,
+                     accept=lambda mode: not stat.S_ISDIR(mode))  # a link: taken as a request
 
   def take_anchor_request(self) -> bool:
-    """Whether an anchor was requested since the last call (and clears the request)."""
+    """Whether an anchor was requested since the last call (and clears the request).
+
+    Raises:
+      PartsLostError: a directory is in the request marker's place.
+    """
+    with self._root_fd() as root:
+      try:
+        os.unlink(_ANCHOR_REQUESTED, dir_fd=root)  # removes a link itself, never its target
+        return True
+      except FileNotFoundError:
+        return False
+      except OSError as e:
+        raise PartsLostError(f"{self.root / _ANCHOR_REQUESTED}: expected a request marker, "
+                             f"found {_found(_ANCHOR_REQUESTED, root)}") from e
+
+
+def _found(name: str, dir_fd: int) -> str:
+  """What is at ``name`` in ``dir_fd``, in words (not following a link)."""
+  try:
+    return _what(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+  except OSError as e:
+    return f"nothing readable ({e.strerror})"
+
+
+def _part_files(where: int, parts: int) -> list[str]:
+  """The names of the regular files of parts ``0 .. parts - 1`` in the directory ``where``."""
+  with os.scandir(where) as listing:
+    return [item.name for item in listing
+            if (match := _PART.match(item.name)) and int(match.group(1)) < parts
+            and item.is_file(follow_symlinks=False)]
+
+
+def _open_part(where: int, name: str, path: Path, entry: Entry, part: int) -> FilePart:
+  """Opens a regular part file for reading, never blocking (a FIFO) or following a link."""
+  try:
+    found = os.stat(name, dir_fd=where, follow_symlinks=False)
+    if not stat.S_ISREG(found.st_mode):
+      raise PartsLostError(f"{path}: expected part {part} as a regular file, found "
+                           f"{_what(found.st_mode)}")
+    fd = os.open(name, _READ, dir_fd=where)
+  except FileNotFoundError as e:
+    raise PartsLostError(f"version {entry.version} ({entry.kind}): part {part} is gone "
+                         f"({path})") from e
+  except PartsLostError:
+    raise
+  except OSError as e:  # replaced since the stat (a link: ELOOP), or unreadable
+    raise PartsLostError(f"{path}: part {part} cannot be opened: found {_found(name, where)} "
+                         f"({e.strerror})") from e
+  try:
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode):
+      raise PartsLostError(f"{path}: expected part {part} as a regular file, found "
+                           f"{_what(opened.st_mode)}")
+  except BaseException:
+    os.close(fd)
+    raise
+  return FilePart(fd, opened.st_size, str(path))
+
+
+def _create(where: int, name: str) -> int:
+  """Creates ``name`` in ``where`` exclusively (never through a link); a stale file of that
+  name (a temporary name left by a dead writer) is unlinked, once."""
+  try:
+    return os.open(name, _CREATE, 0o644, dir_fd=where)
+  except FileExistsError:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(name, dir_fd=where)
+    return os.open(name, _CREATE, 0o644, dir_fd=where)
+
+
+def _write_atomically(where: int, name: str, data: bytes, path: Path) -> None:
+  """Writes ``name`` in directory ``where``: a temporary file, synced, then renamed."""
+  tmp = f".{name}.{os.getpid()}.tmp"
+  try:
+    fd = _create(where, tmp)
+  except OSError as e:
+    raise PartsLostError(f"{path.parent / tmp}: cannot create a temporary part ({e.strerror}; "
+                         f"found {_found(tmp, where)})") from e
+  try:
     try:
-      (self.root / "ANCHOR_REQUESTED").unlink()
-      return True
+      view = memoryview(data).cast("B")
+      while view:
+        view = view[os.write(fd, view):]
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    try:
+      os.replace(tmp, name, src_dir_fd=where, dst_dir_fd=where)  # replaces a link, not its target
+    except OSError as e:
+      raise PartsLostError(f"{path}: cannot be written: found {_found(name, where)} "
+                           f"({e.strerror})") from e
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp, dir_fd=where)
+    raise
+
+
+def _create_marker(where: int, name: str, path: Path, accept=stat.S_ISREG) -> None:
+  """Creates the empty marker ``name`` in ``where`` (atomic: it has no contents to half-write,
+  and it is never created through a link); one already there counts if ``accept`` accepts its
+  ``st_mode`` (e.g. another writer's)."""
+  try:
+    fd = os.open(name, _CREATE, 0o644, dir_fd=where)
+  except FileExistsError as e:
+    try:
+      mode = os.stat(name, dir_fd=where, follow_symlinks=False).st_mode
     except FileNotFoundError:
-      return False
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-  tmp.write_bytes(data)
-  os.replace(tmp, path)
+      return  # taken (a request) or removed (retention) since
+    if accept(mode):
+      return
+    raise PartsLostError(f"{path}: expected a marker (a regular file), found {_what(mode)}") \
+        from e
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)

@@ -34,6 +34,10 @@ class _Registry:
     done = [e for e, parts in self._parts.items() if len(parts) == e.parts]
     return sorted(done, key=lambda e: (e.version, KINDS.index(e.kind)))
 
+  def pending(self) -> list[Entry]:
+    begun = [e for e, parts in self._parts.items() if len(parts) < e.parts]
+    return sorted(begun, key=lambda e: (e.version, KINDS.index(e.kind)))
+
   def refs(self, entry: Entry) -> list | None:
     parts = self._parts.get(entry)
     return None if parts is None else [[parts[i] for i in range(entry.parts)]]
@@ -64,6 +68,9 @@ class RayFeed:
   >>> feed.put(Entry(1, "delta", 0, 1), 0, b"part")
   >>> feed.entries(), bytes(feed.parts(Entry(1, "delta", 0, 1))[0])
   ([Entry(version=1, kind='delta', base=0, parts=1)], b'part')
+  >>> feed.put(Entry(2, "delta", 1, 2), 0, b"half")  # a publish that failed half-way
+  >>> feed.pending()
+  [Entry(version=2, kind='delta', base=1, parts=2)]
   >>> ray.shutdown()
   """
 
@@ -93,7 +100,13 @@ class RayFeed:
     self._call("put", entry, part, [ref])
 
   def entries(self) -> list[Entry]:
+    """The committed entries (every part put), by version."""
     return self._call("entries")
+
+  def pending(self) -> list[Entry]:
+    """The entries with some parts put and not all (e.g. a publish that failed), by version:
+    :meth:`remove` drops them (their objects are freed once no reader holds them)."""
+    return self._call("pending")
 
   def parts(self, entry: Entry) -> list[np.ndarray]:
     """The parts of ``entry`` as read-only byte arrays (sliced by the receiver).
@@ -113,6 +126,7 @@ class RayFeed:
                            f"({type(e).__name__})") from e
 
   def remove(self, entry: Entry) -> None:
+    """Drops an entry, committed or pending, from the registry."""
     self._call("remove", entry)
 
   def request_anchor(self) -> None:
