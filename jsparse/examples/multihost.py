@@ -192,7 +192,7 @@ def trainer(args: argparse.Namespace) -> dict:
                                - stats.payload_bytes,
                                "host_peak_bytes": host["peak"],
                                "changed": stats.changed, "elements": stats.elements,
-                               "dense_bytes": stats.dense_bytes})
+                               "dense_bytes": stats.dense_bytes, "anchor": stats.anchor})
     expected = multihost_utils.process_allgather(plan.cast(params), tiled=True)  # test only
     if jax.process_index() == 0:
       (out / STEP_DIR.format(version=version)).mkdir(parents=True, exist_ok=True)

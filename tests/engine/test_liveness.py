@@ -182,7 +182,7 @@ def test_anchors_are_streamed_in_parts_of_at_most_chunk_bytes(plan, states, tmp_
 
 
 def test_a_rollout_restored_from_another_run_is_not_served_as_current(plan, tmp_path, caplog):
-  old_run, new_run = _states(9, seed=1), _states(4, seed=2)
+  old_run, new_run = _states(8, seed=1), _states(4, seed=2)
   feed = DirectoryFeed(tmp_path / "feed")
   old = Publisher(jsparse.Sender(plan, old_run[0]), feed, anchor_every=None)
   subscriber = Subscriber(jsparse.Receiver(plan, plan.cast(old_run[0])), feed)

@@ -5,6 +5,7 @@ synced state) equals the same seeded run with Tunix's dense sync. With qwix LoRA
 adapters travel. A rollout job in another process follows the trainer's feed to the same bits.
 Each run happens once per module."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -136,9 +137,10 @@ def test_a_plan_between_unlike_states_names_the_leaf():
 
 
 @pytest.mark.parametrize("through_feed", [False, True], ids=["in_process", "feed"])
-def test_a_rollout_that_holds_other_bits_starts_from_an_anchor(through_feed, tmp_path):
+def test_a_rollout_that_holds_other_bits_starts_from_an_anchor(through_feed, tmp_path, caplog):
   """The trainer's base and the rollout's params differ (e.g. another checkpoint): the digests
-  tell, the first sync is an anchor, and the rollout then holds the trainer's bits."""
+  tell, the first sync is an anchor (only an anchor: nothing the rollout must refuse, no
+  warning), and the rollout then holds the trainer's bits."""
   import jax.numpy as jnp
   from jsparse._src.tunix.links import FeedLink, InProcessLink
   from jsparse._src.tunix.rollout import SparseRollout
@@ -157,8 +159,14 @@ def test_a_rollout_that_holds_other_bits_starts_from_an_anchor(through_feed, tmp
   link = (FeedLink(sender, receiver, engine.DirectoryFeed(tmp_path), anchor_first=True)
           if through_feed else InProcessLink(sender, receiver, anchor_first=True))
   rollout = SparseRollout(Installed(), link, ("Param",))
-  for step in range(1, 3):
-    trainer = {"w": trainer["w"] * 1.01}
-    rollout.update_params(trainer, ("Param",))
-    assert_trees_bitwise_equal(rollout.inner.params, plan.cast(trainer))
-    assert receiver.version == sender.version == step
+  with caplog.at_level(logging.WARNING, "jsparse"):
+    for step in range(1, 3):
+      trainer = {"w": trainer["w"] * 1.01}
+      rollout.update_params(trainer, ("Param",))
+      assert_trees_bitwise_equal(rollout.inner.params, plan.cast(trainer))
+      assert receiver.version == sender.version == step
+  assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+  first = rollout.records[0]  # the anchor alone: 128 B of bf16 and its framing
+  assert plan.rollout_bytes <= first.payload_bytes < plan.rollout_bytes + 300
+  if through_feed:
+    assert link.subscriber.stats.skipped == 0 and link.subscriber.stats.anchors == 1

@@ -53,14 +53,18 @@ class Entry:
 
 
 class Feed(Protocol):
-  """Where a publisher puts parts and subscribers find them: seven methods, so that another
-  store (an object store API, a message queue) is one small class.
+  """Where a publisher puts parts and subscribers find them: nine small methods, so that
+  another store (an object store API, a message queue) is one small class.
 
   :meth:`entries` lists the committed entries (every part put); :meth:`pending` those with
   some parts put and not committed, e.g. left by a publish that failed half-way: the
   publisher's retention removes (:meth:`remove`) pending entries older than the version it
   is publishing. :meth:`parts` returns the parts of a committed entry as objects with ``len``
   and slicing (``bytes``-like), or raises :class:`PartsLostError`.
+
+  A feed belongs to one run: :meth:`claim_run` records the publisher's run id the first time
+  (an atomic create-if-absent) and returns the id the feed holds, so that a second trainer is
+  refused and a rollout restored from another run's state is told (:meth:`run_id`).
 
   >>> import tempfile
   >>> isinstance(DirectoryFeed(tempfile.mkdtemp()).entries(), list)
@@ -74,12 +78,16 @@ class Feed(Protocol):
   def remove(self, entry: Entry) -> None: ...
   def request_anchor(self) -> None: ...
   def take_anchor_request(self) -> bool: ...
+  def run_id(self) -> bytes | None: ...
+  def claim_run(self, run_id: bytes) -> bytes: ...
 
 
 _NAME = re.compile(r"^v(\d{20})-(delta|anchor)-from-(\d{20})-of-(\d{5})$")
 _PART = re.compile(r"^part-(\d{5})\.bin$")
 _COMMITTED = "COMMITTED"
 _ANCHOR_REQUESTED = "ANCHOR_REQUESTED"
+_RUN = "RUN"
+_RUN_BYTES = 16
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -319,6 +327,47 @@ class DirectoryFeed:
         return  # gone, or replaced since the stat: not ours to delete
       shutil.rmtree(name, dir_fd=root, ignore_errors=True)  # fd-based: follows no link
 
+  def run_id(self) -> bytes | None:
+    """The id of the run this feed belongs to (None before the first publisher claimed it).
+
+    Raises:
+      PartsLostError: the run marker is not a regular file holding a run id.
+    """
+    with self._root_fd() as root:
+      return _run_of(_read_small(root, _RUN, self.root / _RUN, 2 * _RUN_BYTES + 1),
+                     self.root / _RUN)
+
+  def claim_run(self, run_id: bytes) -> bytes:
+    """Makes ``run_id`` (16 bytes) this feed's run unless it has one; returns the feed's run.
+    The marker is written whole under a temporary name and linked into place, which fails if
+    one exists: two publishers racing for a feed cannot both win.
+
+    >>> import tempfile
+    >>> feed = DirectoryFeed(tempfile.mkdtemp())
+    >>> feed.claim_run(bytes(range(16))) == feed.claim_run(bytes(16)) == feed.run_id()
+    True
+    """
+    if len(run_id) != _RUN_BYTES:
+      raise ValueError(f"a run id is {_RUN_BYTES} bytes, got {len(run_id)}")
+    with self._root_fd() as root:
+      tmp = f".{_RUN}.{os.getpid()}.tmp"
+      fd = _create(root, tmp)
+      try:
+        os.write(fd, run_id.hex().encode("ascii") + b"\n")
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+      try:
+        os.link(tmp, _RUN, src_dir_fd=root, dst_dir_fd=root, follow_symlinks=False)
+        os.fsync(root)
+      except FileExistsError:
+        pass
+      finally:
+        with contextlib.suppress(OSError):
+          os.unlink(tmp, dir_fd=root)
+      return _run_of(_read_small(root, _RUN, self.root / _RUN, 2 * _RUN_BYTES + 1),
+                     self.root / _RUN)
+
   def request_anchor(self) -> None:
     """Asks the publisher for an anchor at its next version (a subscriber lost its state).
 
@@ -346,12 +395,41 @@ class DirectoryFeed:
                              f"found {_found(_ANCHOR_REQUESTED, root)}") from e
 
 
+def _read_small(where: int, name: str, path: Path, size: int) -> bytes | None:
+  """The contents of the regular file ``name`` (at most ``size`` bytes), None if absent."""
+  try:
+    fd = os.open(name, _READ, dir_fd=where)
+  except FileNotFoundError:
+    return None
+  except OSError as e:
+    raise PartsLostError(f"{path}: expected a regular file, found {_found(name, where)}") from e
+  try:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+      raise PartsLostError(f"{path}: expected a regular file, found "
+                           f"{_what(os.fstat(fd).st_mode)}")
+    return os.pread(fd, size + 1, 0)
+  finally:
+    os.close(fd)
+
+
 def _found(name: str, dir_fd: int) -> str:
   """What is at ``name`` in ``dir_fd``, in words (not following a link)."""
   try:
     return _what(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
   except OSError as e:
     return f"nothing readable ({e.strerror})"
+
+
+def _run_of(data: bytes | None, path: Path) -> bytes | None:
+  if data is None:
+    return None
+  try:
+    run = bytes.fromhex(data.decode("ascii").strip())
+  except (UnicodeDecodeError, ValueError):
+    run = b""
+  if len(run) != _RUN_BYTES:
+    raise PartsLostError(f"{path}: not a run id ({len(data)} bytes)")
+  return run
 
 
 def _part_files(where: int, parts: int) -> list[str]:

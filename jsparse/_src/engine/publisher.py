@@ -77,6 +77,9 @@ class Publisher:
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.keep = int_option("keep", keep, minimum=0)
     claim_run(sender, feed)
+    if jax.process_index() == 0:  # a previous trainer's failed publish: never to be committed
+      for entry in pending_entries(feed):
+        feed.remove(entry)
     latest = self._latest()
     self._resync = latest is not None and latest != sender.version
     self._since_anchor = 0

@@ -26,6 +26,7 @@ class _Registry:
   def __init__(self):
     self._parts: dict[Entry, dict[int, Any]] = {}
     self._anchor_requested = False
+    self._run: bytes | None = None
 
   def put(self, entry: Entry, part: int, ref: list) -> None:
     self._parts.setdefault(entry, {})[part] = ref[0]  # in a list: Ray keeps it a reference
@@ -44,6 +45,14 @@ class _Registry:
 
   def remove(self, entry: Entry) -> None:
     self._parts.pop(entry, None)  # the objects are freed once no reader holds them
+
+  def run_id(self) -> bytes | None:
+    return self._run
+
+  def claim_run(self, run_id: bytes) -> bytes:
+    if self._run is None:
+      self._run = bytes(run_id)
+    return self._run
 
   def request_anchor(self) -> None:
     self._anchor_requested = True
@@ -128,6 +137,15 @@ class RayFeed:
   def remove(self, entry: Entry) -> None:
     """Drops an entry, committed or pending, from the registry."""
     self._call("remove", entry)
+
+  def run_id(self) -> bytes | None:
+    """The id of the run this feed belongs to (None before a publisher claimed it)."""
+    return self._call("run_id")
+
+  def claim_run(self, run_id: bytes) -> bytes:
+    """Makes ``run_id`` the feed's run unless it has one (the registry serializes claims);
+    returns the feed's run."""
+    return self._call("claim_run", bytes(run_id))
 
   def request_anchor(self) -> None:
     self._call("request_anchor")
