@@ -52,10 +52,11 @@ class _FaultyFeed:
 
 
 class _RolloutFeed:
-  """A rollout's view of the feed: ``drop`` anchor requests are lost."""
+  """A rollout's view of the feed: ``drop`` anchor requests are lost; the reads of the
+  entries in ``damaged`` come back damaged (``"truncate"`` or ``"flip"``) once."""
 
   def __init__(self, feed):
-    self.feed, self.drop = feed, 0
+    self.feed, self.drop, self.damaged = feed, 0, {}
 
   def __getattr__(self, name):
     return getattr(self.feed, name)
@@ -66,6 +67,20 @@ class _RolloutFeed:
       return
     self.feed.request_anchor()
 
+  def parts(self, entry):
+    parts = self.feed.parts(entry)
+    how = self.damaged.pop(entry, None)
+    if how is None:
+      return parts
+    parts = [bytes(p) for p in parts]
+    data = bytearray(parts[-1])
+    if how == "truncate":
+      del data[len(data) // 2:]
+    elif data:
+      data[len(data) // 3] ^= 0x20
+    parts[-1] = bytes(data)
+    return parts
+
 
 def _tree(rng):
   return {"w0": rng.normal(size=(32, 48)).astype(np.float32),
@@ -73,10 +88,14 @@ def _tree(rng):
           "b": rng.normal(size=40).astype(np.float32)}
 
 
-@pytest.fixture(scope="module")
-def plan():
+def fuzz_plan() -> jsparse.Plan:
   tree = {k: jnp.asarray(v) for k, v in _tree(np.random.default_rng(0)).items()}
   return jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, bucket_size=512, capacity=0.1)
+
+
+@pytest.fixture(scope="module")
+def plan():
+  return fuzz_plan()
 
 
 def _host_copy(state):
@@ -84,28 +103,50 @@ def _host_copy(state):
                              for i, x in enumerate(state)])
 
 
-def _damage(rng, root: Path, how: str) -> bool:
-  """Damages one part file of a committed entry in place; whether there was one."""
-  files = sorted(root.glob("v*/part-*.bin"))
-  if not files:
+def damage_files(root: Path):
+  """Damages one part file of a committed entry of the DirectoryFeed at ``root`` in place;
+  whether there was one."""
+  def damage(rng, feed, rollouts, how: str) -> bool:
+    files = sorted(root.glob("v*/part-*.bin"))
+    if not files:
+      return False
+    path = files[int(rng.integers(len(files)))]
+    if how == "lose_part":
+      path.unlink()
+    elif how == "truncate":
+      os.truncate(path, int(rng.integers(0, max(1, path.stat().st_size))))
+    else:
+      data = bytearray(path.read_bytes())
+      if data:
+        data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
+        path.write_bytes(bytes(data))
+    return True
+  return damage
+
+
+def damage_reads(rng, feed, rollouts, how: str) -> bool:
+  """For feeds whose objects cannot be changed in place (Ray): an entry is lost (removed from
+  the feed), or one rollout's next read of it comes back damaged."""
+  entries = feed.entries()
+  if not entries:
     return False
-  path = files[int(rng.integers(len(files)))]
+  entry = entries[int(rng.integers(len(entries)))]
   if how == "lose_part":
-    path.unlink()
-  elif how == "truncate":
-    os.truncate(path, int(rng.integers(0, max(1, path.stat().st_size))))
+    feed.remove(entry)
   else:
-    data = bytearray(path.read_bytes())
-    if data:
-      data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
-      path.write_bytes(bytes(data))
+    rollouts[int(rng.integers(len(rollouts)))]["view"].damaged[entry] = how
   return True
 
 
 @pytest.mark.parametrize("seed", range(_CASES))
 def test_rollouts_stay_exact_and_catch_up_once_faults_stop(plan, seed, tmp_path):
+  run_case(plan, seed, DirectoryFeed(tmp_path / "feed"), damage_files(tmp_path / "feed"))
+
+
+def run_case(plan, seed: int, feed, damage) -> dict:
+  """One fuzz case on ``feed``, faults of stored parts made by ``damage``; returns its
+  outcome (also appended to ``JSPARSE_ENGINE_FUZZ_REPORT``, if set)."""
   rng = np.random.default_rng(1000 + seed)
-  feed = DirectoryFeed(tmp_path / "feed")
   trainer_feed = _FaultyFeed(feed)
   params = {k: jnp.asarray(v) for k, v in _tree(np.random.default_rng(0)).items()}
   history = {0: plan.cast(params)}  # version -> the rollout bits it stands for
@@ -158,7 +199,7 @@ def test_rollouts_stay_exact_and_catch_up_once_faults_stop(plan, seed, tmp_path)
       trainer_feed.fail_at = None  # the version had fewer parts than the failure's index
     if rng.random() < 0.5:
       trainer_saves.append(_host_copy(publisher.sender.state()))
-    if fault in ("lose_part", "truncate", "flip") and not _damage(rng, tmp_path / "feed", fault):
+    if fault in ("lose_part", "truncate", "flip") and not damage(rng, feed, rollouts, fault):
       fault = "none"
     faults[fault] = faults.get(fault, 0) + 1
 
@@ -178,12 +219,13 @@ def test_rollouts_stay_exact_and_catch_up_once_faults_stop(plan, seed, tmp_path)
       for r in rollouts:  # liveness: within _BOUND publishes after the faults stopped
         assert r["sub"].version == publisher.sender.version, (seed, step, r["sub"].stats)
         assert r["sub"].stats.stalled is None
-  longest = max(r["longest"] for r in rollouts)
+  outcome = {"feed": type(feed).__name__, "seed": seed, "options": options, "faults": faults,
+             "polls": polls, "rollouts": len(rollouts),
+             "longest_stall_publishes": max(r["longest"] for r in rollouts),
+             "anchors": sum(r["sub"].stats.anchors for r in rollouts),
+             "skipped": sum(r["sub"].stats.skipped for r in rollouts)}
   report = os.environ.get("JSPARSE_ENGINE_FUZZ_REPORT")
   if report:
     with open(report, "a") as out:
-      out.write(json.dumps({"seed": seed, "options": options, "faults": faults,
-                            "polls": polls, "rollouts": len(rollouts),
-                            "longest_stall_publishes": longest,
-                            "anchors": sum(r["sub"].stats.anchors for r in rollouts),
-                            "skipped": sum(r["sub"].stats.skipped for r in rollouts)}) + "\n")
+      out.write(json.dumps(outcome) + "\n")
+  return outcome

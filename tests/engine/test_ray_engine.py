@@ -171,3 +171,14 @@ def test_the_demo_shows_a_trainer_and_two_rollouts_with_different_meshes(local_r
   out = capsys.readouterr().out
   assert "tp4 {'tensor': 4, 'data': 2} version 2 bit-identical: True" in out
   assert "tp2 {'tensor': 2, 'data': 4} version 2 bit-identical: True" in out
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_rollouts_over_ray_stay_exact_and_catch_up_once_faults_stop(local_ray, seed):
+  """The engine fuzz (``test_engine_fuzz.py``) on a RayFeed: failed registry writes, entries
+  lost, damaged reads, lost anchor requests, restarts of either side."""
+  from tests.engine.test_engine_fuzz import damage_reads, fuzz_plan, run_case
+  feed = engine.RayFeed.create(f"fuzz-{uuid.uuid4().hex[:8]}", timeout=30)
+  outcome = run_case(fuzz_plan(), 500 + seed, feed, damage_reads)
+  assert outcome["polls"] > 0
+
