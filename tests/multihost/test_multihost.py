@@ -57,9 +57,10 @@ def test_every_trainer_process_sends_its_own_part(jobs):
 
 def test_parts_carry_a_realistic_update_compactly(jobs):
   trainer = jobs["trainer"]
-  for version in range(1, 7):  # version 1 too: the refused whole send before it changed nothing
+  # the whole send refused before version 1 changed nothing: no version is an anchor
+  assert not any(v["anchor"] for r in trainer for v in r["versions"])
+  for version in range(2, 7):
     stats = trainer[0]["versions"][version - 1]
-    assert not stats["anchor"], version
     density = stats["changed"] / stats["elements"]
     assert 0.002 < density < 0.05, density  # AdamW at lr 1e-6 on fp32 masters
     per_change = _totals(trainer, version) / stats["changed"]
