@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jsparse._src.errors import ConfigError
+from jsparse._src.errors import ArgumentError, ConfigError
 
 
 def int_option(name: str, value: Any, *, minimum: int, optional: bool = False) -> Any:
@@ -47,3 +47,27 @@ def float_option(name: str, value: Any, *, minimum: float = 0.0) -> float:
       or not np.isfinite(value) or value < minimum:
     raise ConfigError(f"{name} must be a finite number >= {minimum}, got {value!r}")
   return float(value)
+
+
+def typed_argument(name: str, value: Any, kind: type | tuple[type, ...], expected: str) -> Any:
+  """``value`` if it is a ``kind``, else :class:`ArgumentError` saying what was expected.
+
+  >>> typed_argument("plan", "p", int, "a jsparse.Plan (from make_plan)")
+  Traceback (most recent call last):
+  ...
+  jsparse._src.errors.ArgumentError: jsparse: plan must be a jsparse.Plan (from make_plan), got str
+  """
+  if not isinstance(value, kind):
+    raise ArgumentError(f"jsparse: {name} must be {expected}, got {type(value).__name__}")
+  return value
+
+
+def feed_argument(feed: Any) -> Any:
+  """``feed`` if it has the methods of a feed (``jsparse.engine.Feed``), else
+  :class:`ArgumentError`."""
+  missing = [m for m in ("put", "entries", "parts", "remove", "request_anchor",
+                         "take_anchor_request") if not callable(getattr(feed, m, None))]
+  if missing:
+    raise ArgumentError(f"jsparse: feed must be a jsparse.engine feed (DirectoryFeed, RayFeed, "
+                        f"...), got {type(feed).__name__} (no {', '.join(missing)})")
+  return feed

@@ -121,3 +121,30 @@ def test_receive_and_stream_add_name_what_they_expect(bad):
     receiver.receive(bad)
   with pytest.raises(jsparse.ArgumentError, match="bytes"):
     receiver.open_stream().add(bad)
+
+
+def _public_calls():
+  import tempfile
+  from jsparse import engine
+  params = {"w": jnp.zeros(8)}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  sender = jsparse.Sender(plan, params)
+  feed = engine.DirectoryFeed(tempfile.mkdtemp())
+  return {
+      "make_plan rollout_dtype": lambda: jsparse.make_plan(params, rollout_dtype="foo"),
+      "Sender plan": lambda: jsparse.Sender("a plan", params),
+      "Receiver plan": lambda: jsparse.Receiver(None, params),
+      "diff plan": lambda: jsparse.diff("a plan", params, params),
+      "apply plan": lambda: jsparse.apply("a plan", plan.cast(params), None),
+      "apply_payload": lambda: jsparse.Receiver(plan, plan.cast(params)).apply_payload(None),
+      "Publisher feed": lambda: engine.Publisher(sender, None),
+      "Publisher sender": lambda: engine.Publisher("a sender", feed),
+      "Subscriber receiver": lambda: engine.Subscriber(None, feed),
+      "DirectoryFeed root": lambda: engine.DirectoryFeed(None),
+  }
+
+
+@pytest.mark.parametrize("name", list(_public_calls()))
+def test_a_public_call_with_an_argument_of_the_wrong_type_says_what_it_expects(name):
+  with pytest.raises(jsparse.JsparseError, match="must be"):
+    _public_calls()[name]()

@@ -34,6 +34,7 @@ from jsparse._src.core.placement import (commit_leaves, distinct_buffers, is_tra
 from jsparse._src.core.plan import LeafSpec, Plan, Segment
 from jsparse._src.core.select import changed_elements
 from jsparse._src.errors import PlanMismatchError
+from jsparse._src.options import typed_argument
 from jsparse._src.pytree import PyTree
 
 # ``(flat leaf or segment bits, positions, values) -> new bits at the positions``: how values
@@ -152,6 +153,7 @@ def diff(plan: Plan, base: PyTree, new: PyTree) -> Delta:
   >>> delta.counts.tolist(), delta.overflow.tolist(), delta.indices[0][:3].tolist()
   ([20], [True], [0, 50, 100])
   """
+  typed_argument("plan", plan, Plan, "a jsparse.Plan (from make_plan)")
   base, new = (jax.tree.unflatten(plan.treedef, place_on_plan_layouts(
       plan, plan.flatten(tree, what=what), what=what)) for tree, what in ((base, "base"),
                                                                             (new, "new")))
@@ -262,6 +264,7 @@ def apply(plan: Plan, base: PyTree, delta: Delta, *, donate: bool = False) -> Py
   >>> jsparse.apply(plan, plan.cast(old), delta)['w'].tolist()
   [0.0, 2.0, 0.0, -0.0]
   """
+  typed_argument("plan", plan, Plan, "a jsparse.Plan (from make_plan)")
   flat = plan.flatten(base, what="base", rollout_only=True)
   if any(is_traced(x) for x in [*flat, *jax.tree.leaves(delta)]):  # inside the caller's jit
     return _apply_tree(plan, layouts_of(plan, flat), base, delta)

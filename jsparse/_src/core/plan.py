@@ -268,7 +268,11 @@ def _resolve_rollout_dtype(rollout_dtype: RolloutDtype, path: str,
     return np.dtype(struct.dtype if chosen is None else chosen)
   if rollout_dtype is None or not jnp.issubdtype(struct.dtype, jnp.floating):
     return np.dtype(struct.dtype)
-  return np.dtype(rollout_dtype)
+  try:
+    return np.dtype(rollout_dtype)
+  except TypeError:
+    raise ConfigError(f"rollout_dtype must be a dtype (e.g. jnp.bfloat16), None or a function "
+                      f"(path, ShapeDtypeStruct) -> dtype, got {rollout_dtype!r}") from None
 
 
 def _capacity(capacity: float | int, size: int, name: str) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
 from jsparse._src.errors import JsparseError
+from jsparse._src.options import typed_argument
 
 KINDS = ("delta", "anchor")
 
@@ -198,7 +199,8 @@ class DirectoryFeed:
   """
 
   def __init__(self, root: str | os.PathLike):
-    self.root = Path(root)
+    self.root = Path(typed_argument("root", root, (str, os.PathLike),
+                                    "a path (str or os.PathLike)"))
     self.root.mkdir(parents=True, exist_ok=True)
 
   @staticmethod

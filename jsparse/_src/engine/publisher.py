@@ -2,10 +2,11 @@
 
 Each ``publish`` sends a delta from the previous version; every ``anchor_every`` versions, or
 when a subscriber asked for one, it also puts an anchor of the same version (the dense state,
-accepted on any older base, streamed in parts like any version). Retention keeps the newest anchor, the deltas after it and those of
-the last ``keep`` versions, so a rollout that lags by up to ``keep`` versions catches up along
-the deltas, one that lags more takes the anchor, and the feed never grows: a slow rollout never
-blocks the trainer, and nothing is deleted that a rollout needs while no newer anchor exists.
+accepted on any older base, streamed in parts like any version). Retention keeps the newest
+anchor, the deltas after it and those of the last ``keep`` versions, so a rollout that lags by
+up to ``keep`` versions catches up along the deltas, one that lags more takes the anchor, and
+the feed never grows: a slow rollout never blocks the trainer, and nothing is deleted that a
+rollout needs while no newer anchor exists.
 
 >>> import tempfile, jax.numpy as jnp, jsparse
 >>> from jsparse._src.engine.feed import DirectoryFeed
@@ -27,7 +28,7 @@ import jax
 from jsparse._src.engine.agreement import agreed_bytes, agreed_flag
 from jsparse._src.engine.feed import Entry, Feed
 from jsparse._src.errors import ConfigError
-from jsparse._src.options import int_option
+from jsparse._src.options import feed_argument, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync.sender import Sender
 from jsparse._src.sync.stream import PartStream
@@ -71,8 +72,8 @@ class Publisher:
 
   def __init__(self, sender: Sender, feed: Feed, *, anchor_every: int | None = 8,
                keep: int = 8, chunk_bytes: int = 64 << 20):
-    self.sender = sender
-    self.feed = feed
+    self.sender = typed_argument("sender", sender, Sender, "a jsparse.Sender")
+    self.feed = feed_argument(feed)
     self.chunk_bytes = int_option("chunk_bytes", chunk_bytes, minimum=1)
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.keep = int_option("keep", keep, minimum=0)

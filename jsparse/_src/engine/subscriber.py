@@ -30,7 +30,7 @@ import jax
 from jsparse._src.engine.agreement import agreed_entry
 from jsparse._src.engine.feed import Entry, Feed, PartsLostError
 from jsparse._src.errors import IntegrityError, PayloadError, VersionError
-from jsparse._src.options import float_option, int_option
+from jsparse._src.options import feed_argument, float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
 from jsparse._src.sync.receiver import Receiver
@@ -96,8 +96,8 @@ class Subscriber:
 
   def __init__(self, receiver: Receiver, feed: Feed, *, start_with_anchor: bool = False,
                stall_versions: int = 2, stall_seconds: float = 60.0):
-    self.receiver = receiver
-    self.feed = feed
+    self.receiver = typed_argument("receiver", receiver, Receiver, "a jsparse.Receiver")
+    self.feed = feed_argument(feed)
     self.stall_versions = int_option("stall_versions", stall_versions, minimum=1)
     self.stall_seconds = float_option("stall_seconds", stall_seconds)
     self.stats = SubscriberStats()

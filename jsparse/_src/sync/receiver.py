@@ -30,6 +30,7 @@ from jsparse._src.core.placement import commit_leaves, layouts_of, owned_leaves
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import IntegrityError, JsparseError, VersionError
+from jsparse._src.options import typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
 from jsparse._src.sync import programs, staging
@@ -74,7 +75,7 @@ class Receiver:
 
   @mesh_neutral
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0, donate: bool = True):
-    self.plan = plan
+    self.plan = typed_argument("plan", plan, Plan, "a jsparse.Plan (from make_plan)")
     self.version = check_version(version)
     self._flat = commit_leaves(plan.flatten(params, what="params", rollout_only=True))
     if donate:  # the receiver donates its buffers: they must be its own
@@ -152,6 +153,7 @@ class Receiver:
 
   def apply_payload(self, payload: Payload) -> PyTree:
     """:meth:`receive` for an already decoded (and validated) payload."""
+    typed_argument("payload", payload, Payload, "a decoded payload (from Sender.payload)")
     return self._apply_records(payload, payload.segments)
 
   @mesh_neutral

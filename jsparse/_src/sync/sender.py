@@ -33,7 +33,7 @@ from jsparse._src.core.placement import commit_leaves, place_on_plan_layouts
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import ConfigError, VersionError
-from jsparse._src.options import int_option
+from jsparse._src.options import int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value, owned_units
 from jsparse._src.sync import programs
@@ -122,7 +122,7 @@ class Sender:
                anchor_every: int | None = None, coding: Coding | str = Coding.RANKED):
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.coding = coding_option(coding)
-    self.plan = plan
+    self.plan = typed_argument("plan", plan, Plan, "a jsparse.Plan (from make_plan)")
     self.version = check_version(version)
     flat = place_on_plan_layouts(plan, commit_leaves(plan.flatten(params, what="params")),
                                  what="params")
@@ -313,7 +313,8 @@ class Sender:
     >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
     >>> sender = jsparse.Sender(plan, params, version=3)
     >>> stream = sender.anchor_stream(chunk_bytes=400_000)
-    >>> receiver = jsparse.Receiver(plan, {k: v.astype(jnp.bfloat16) + 1 for k, v in params.items()})
+    >>> receiver = jsparse.Receiver(plan, {k: v.astype(jnp.bfloat16) + 1
+    ...                                    for k, v in params.items()})
     >>> _ = receiver.receive_parts(list(stream))
     >>> stream.parts, stream.anchor, receiver.version, float(receiver.params['w0'][0])
     (2, True, 3, 0.0)
