@@ -1,6 +1,7 @@
 """Trainer and rollouts as separate jobs: a :class:`Publisher` puts every version's parts into a
-feed (a shared directory, :class:`DirectoryFeed`, or Ray's object store, :class:`RayFeed`),
-and each rollout's :class:`Subscriber` applies them in order, catching up by deltas or anchors.
+feed (a shared directory, :class:`DirectoryFeed`; Ray's object store, :class:`RayFeed`; an
+object store such as S3 or GCS, :class:`ObjectStoreFeed`), and each rollout's
+:class:`Subscriber` applies them in order, catching up by deltas or anchors.
 
 >>> import tempfile, jax.numpy as jnp, jsparse
 >>> from jsparse import engine
@@ -19,15 +20,16 @@ from jsparse._src.engine.feed import DirectoryFeed, Entry, Feed, PartsLostError
 from jsparse._src.engine.publisher import Publisher
 from jsparse._src.engine.subscriber import Subscriber, SubscriberStats
 
-_LAZY = {"RayFeed"}  # Ray is imported on first use only
+_LAZY = {"RayFeed": "ray_feed",  # Ray and obstore are imported on first use only
+         "ObjectStoreFeed": "object_feed"}
 
 
 def __getattr__(name: str) -> Any:
   if name in _LAZY:
-    from jsparse._src.engine import ray_feed
-    return getattr(ray_feed, name)
+    import importlib
+    return getattr(importlib.import_module(f"jsparse._src.engine.{_LAZY[name]}"), name)
   raise AttributeError(f"module 'jsparse.engine' has no attribute {name!r}")
 
 
-__all__ = ["DirectoryFeed", "Entry", "Feed", "PartsLostError", "Publisher", "RayFeed",  # noqa: F822
-           "Subscriber", "SubscriberStats"]
+__all__ = ["DirectoryFeed", "Entry", "Feed", "ObjectStoreFeed", "PartsLostError",  # noqa: F822
+           "Publisher", "RayFeed", "Subscriber", "SubscriberStats"]
