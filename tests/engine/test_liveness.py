@@ -214,3 +214,48 @@ def test_a_second_publisher_is_refused_and_a_restored_one_resumes(plan, states, 
     Publisher(jsparse.Sender(plan, states[0]), feed)
   resumed = Publisher(jsparse.Sender.restore(plan, first.sender.state()), feed)
   assert [e.version for e in resumed.publish(states[2])] == [2]
+
+
+def test_a_send_whose_coding_fails_after_the_diff_resyncs_with_an_anchor(plan, states,
+                                                                          monkeypatch):
+  from jsparse._src.sync import sender as sender_module
+  sender = jsparse.Sender(plan, states[0])
+  receiver = jsparse.Receiver(plan, plan.cast(states[0]))
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("coding failed (injected)")
+
+  with monkeypatch.context() as patch:
+    patch.setattr(sender_module, "part_records", broken)
+    with pytest.raises(RuntimeError):
+      sender.send_part(states[1])
+  restored = jsparse.Sender.restore(plan, sender.state())  # its state is consistent
+  assert restored.version == sender.version == 1
+  part = sender.send_part(states[2])
+  assert sender.last_stats.anchor
+  receiver.receive_parts([part])
+  assert_trees_bitwise_equal(receiver.params, plan.cast(states[2]))
+
+
+def test_a_diff_that_fails_after_consuming_the_snapshot_resyncs_with_an_anchor(plan, states,
+                                                                                monkeypatch):
+  from jsparse._src.sync import programs
+  sender = jsparse.Sender(plan, states[0])
+  receiver = jsparse.Receiver(plan, plan.cast(states[0]))
+
+  def consuming(plan, coding, snapshot, new, **kwargs):
+    for x in snapshot:
+      x.delete()  # as a donated program that failed on the device would leave it
+    raise RuntimeError("device failure (injected)")
+
+  with monkeypatch.context() as patch:
+    patch.setattr(programs, "sender_changes", consuming)
+    with pytest.raises(RuntimeError):
+      sender.send(states[1])
+  with pytest.raises(jsparse.VersionError, match="consumed"):
+    sender.state()
+  data = sender.send(states[2])
+  assert sender.last_stats.anchor and sender.version == 1
+  receiver.receive(data)
+  assert_trees_bitwise_equal(receiver.params, plan.cast(states[2]))
+  assert jsparse.Sender.restore(plan, sender.state()).digest == sender.digest

@@ -2,8 +2,9 @@
 decided by process 0 and broadcast (one small collective), so that no process runs a program
 the others skip. In a single process these return their argument.
 
->>> agreed_flag(True), agreed_entry(None), agreed_bytes(b"run")
-(True, None, b'run')
+>>> agreed_flag(True), agreed_entry(None), agreed_bytes(b"run"), agreed_int(-1)
+(True, None, b'run', -1)
+>>> raise_if_any_failed(None)  # no process failed: returns
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jsparse._src.engine.feed import KINDS, Entry
+from jsparse._src.engine.feed import KINDS, Entry, PartsLostError
 
 
 def agreed_flag(flag: bool) -> bool:
   """Process 0's ``flag``, on every process."""
   if jax.process_count() == 1:
     return bool(flag)
-  return bool(multihost_utils.broadcast_one_to_all(np.array(flag, np.int32)))
+  return bool(multihost_utils.broadcast_one_to_all(np.array(bool(flag), np.int32)))
 
 
 def agreed_entry(entry: Entry | None) -> Entry | None:
@@ -41,3 +42,27 @@ def agreed_bytes(data: bytes) -> bytes:
   row[1:1 + len(data)] = np.frombuffer(data, np.uint8)
   row = np.asarray(multihost_utils.broadcast_one_to_all(row))
   return bytes(row[1:1 + int(row[0])].astype(np.uint8))
+
+
+def agreed_int(value: int) -> int:
+  """Process 0's ``value`` (an int64), on every process."""
+  if jax.process_count() == 1:
+    return int(value)
+  return int(multihost_utils.broadcast_one_to_all(np.array(value, np.int64)))
+
+
+def raise_if_any_failed(error: BaseException | None) -> None:
+  """Raises ``error`` on this process, or a :class:`PartsLostError` if another process failed
+  (one small all-gather): every process of a job leaves a step alike, so that none waits for
+  the others in a collective they skipped."""
+  if jax.process_count() > 1:
+    flags = np.asarray(multihost_utils.process_allgather(np.array([error is not None],
+                                                                   np.int32)))
+    failed = np.flatnonzero(flags.reshape(-1)).tolist()
+  else:
+    failed = [0] if error is not None else []
+  if error is not None:
+    raise error
+  if failed:
+    raise PartsLostError(f"process(es) {failed} failed to put their parts: the version is not "
+                         "committed")

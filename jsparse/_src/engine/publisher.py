@@ -23,10 +23,13 @@ rollout needs while no newer anchor exists.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 
-from jsparse._src.engine.agreement import agreed_bytes, agreed_flag
-from jsparse._src.engine.feed import Entry, Feed
+from jsparse._src.engine.agreement import (agreed_bytes, agreed_flag, agreed_int,
+                                           raise_if_any_failed)
+from jsparse._src.engine.feed import Entry, Feed, PartsLostError
 from jsparse._src.errors import ConfigError
 from jsparse._src.options import feed_argument, int_option, typed_argument
 from jsparse._src.pytree import PyTree
@@ -79,17 +82,18 @@ class Publisher:
     self.keep = int_option("keep", keep, minimum=0)
     claim_run(sender, feed)
     if jax.process_index() == 0:  # a previous trainer's failed publish: never to be committed
-      for entry in pending_entries(feed):
-        feed.remove(entry)
-    latest = self._latest()
-    self._resync = latest is not None and latest != sender.version
+      _housekeeping("removing failed publishes' parts", lambda: [
+          feed.remove(entry) for entry in pending_entries(feed)])
+    latest = agreed_int(self._latest() if jax.process_index() == 0 else 0)
+    self._resync = latest >= 0 and latest != sender.version
     self._since_anchor = 0
     self._anchor_owed = False  # a rollout asked for an anchor; none committed since
     self.bytes_put = 0  # by this process, over all publishes
 
-  def _latest(self) -> int | None:
+  def _latest(self) -> int:
+    """The newest committed version in the feed (-1: none); read on process 0."""
     entries = self.feed.entries()
-    return max(e.version for e in entries) if entries else None
+    return max(e.version for e in entries) if entries else -1
 
   def publish(self, params: PyTree, *, anchor: bool = False, full: bool = False
               ) -> list[Entry]:
@@ -102,11 +106,17 @@ class Publisher:
       full: publish this version as an anchor only (e.g. when the rollouts hold other bits).
 
     Raises:
-      whatever the sender or the feed raise; the version is then not committed, and the next
-      publish is an anchor (the sender resyncs), so no rollout waits for the lost version.
+      whatever the sender or the feed raise while the version's parts (or its anchor's) are
+      put, on every process of the trainer alike (a process whose puts succeeded raises
+      :class:`~jsparse.engine.PartsLostError` naming the one that failed). If the version's
+      own parts failed it is not committed, and the next publish is an anchor (the sender
+      resyncs); if only its anchor's did, the anchor is owed to the next publish. Either way
+      no rollout waits for what was lost. Failures of housekeeping after the commit (taking an
+      anchor request, retention) are logged, not raised.
     """
     if self._resync:
-      version = max(self._latest() or 0, self.sender.version) + 1
+      version = max(agreed_int(self._latest() if jax.process_index() == 0 else 0),
+                    self.sender.version) + 1
       stream = self.sender.send_stream(params, full=True, version=version,
                                        chunk_bytes=self.chunk_bytes)
     else:
@@ -114,30 +124,36 @@ class Publisher:
     written = [self._put_stream(stream)]
     self._resync = False
     self._since_anchor = 0 if stream.anchor else self._since_anchor + 1
-    requested = agreed_flag(jax.process_index() == 0 and self.feed.take_anchor_request())
+    requested = agreed_flag(jax.process_index() == 0 and bool(_housekeeping(
+        "taking an anchor request", self.feed.take_anchor_request)))
     self._anchor_owed = self._anchor_owed or requested
     if not stream.anchor and (anchor or self._anchor_owed or (
         self.anchor_every and self._since_anchor >= self.anchor_every)):
       written.append(self._put_stream(self.sender.anchor_stream(chunk_bytes=self.chunk_bytes)))
       self._since_anchor = 0
     self._anchor_owed = False  # an anchor of this version is committed
-    self._retain(written)
+    if jax.process_index() == 0:
+      _housekeeping("retention", lambda: self._retain(written))
     return written
 
   def _put_stream(self, stream: PartStream) -> Entry:
-    """Puts each part of a streamed version as it is produced, under the entry it really is."""
+    """Puts each part of a streamed version as it is produced, under the entry it really is;
+    every process of the trainer returns, or all raise (see :meth:`publish`)."""
     entry = Entry(stream.version, "anchor" if stream.anchor else "delta",
                   stream.base_version, stream.parts)
-    for k, data in enumerate(stream):  # to the end: the sender counts the stream done
-      self.feed.put(entry, stream.numbers[k], data)
-      self.bytes_put += len(data)
+    error = None
+    try:
+      for k, data in enumerate(stream):  # to the end: the sender counts the stream done
+        self.feed.put(entry, stream.numbers[k], data)
+        self.bytes_put += len(data)
+    except Exception as e:  # noqa: BLE001 - agreed below, then raised
+      error = e
+    raise_if_any_failed(error)
     return entry
 
   def _retain(self, written: list[Entry]) -> None:
     """Removes what the newest anchor replaces: older anchors, and older deltas outside the
-    last ``keep`` versions; and what failed publishes left (process 0 only)."""
-    if jax.process_index() != 0:
-      return
+    last ``keep`` versions; and what failed publishes left (run by process 0)."""
     for entry in pending_entries(self.feed):
       if entry not in written and entry.version <= self.sender.version:
         self.feed.remove(entry)  # a failed publish's parts (its version was never committed)
@@ -150,6 +166,16 @@ class Publisher:
       if entry.version < newest and (entry.kind == "anchor"
                                      or entry.version <= latest - self.keep):
         self.feed.remove(entry)
+
+
+def _housekeeping(what: str, call):
+  """``call()``, or None with a warning if it fails: work after a version is committed (or
+  before the first) that must not fail the publish nor leave processes out of step."""
+  try:
+    return call()
+  except Exception as e:  # noqa: BLE001 - logged: the next publish tries again
+    logging.getLogger("jsparse").warning("jsparse: publisher %s failed: %r", what, e)
+    return None
 
 
 def pending_entries(feed: Feed) -> list[Entry]:
@@ -165,7 +191,16 @@ def claim_run(sender: Sender, feed: Feed) -> None:
   if claim is None:  # a feed that keeps no run identity
     return
   sender.run_id = agreed_bytes(sender.run_id)
-  owner = agreed_bytes(claim(sender.run_id) if jax.process_index() == 0 else sender.run_id)
+  error, owner = None, sender.run_id
+  if jax.process_index() == 0:
+    try:
+      owner = claim(sender.run_id)
+    except Exception as e:  # noqa: BLE001 - every process raises it below
+      error, owner = e, b""
+  owner = agreed_bytes(owner)
+  if not owner:
+    raise error if error is not None else PartsLostError(
+        "process 0 could not claim the feed for this run")
   if owner != sender.run_id:
     raise ConfigError(
         f"this feed belongs to run {owner.hex()} (another trainer publishes into it), not to "

@@ -27,7 +27,7 @@ import time
 
 import jax
 
-from jsparse._src.engine.agreement import agreed_entry
+from jsparse._src.engine.agreement import agreed_bytes, agreed_entry, agreed_int
 from jsparse._src.engine.feed import Entry, Feed, PartsLostError
 from jsparse._src.errors import IntegrityError, PayloadError, VersionError
 from jsparse._src.options import feed_argument, float_option, int_option, typed_argument
@@ -120,7 +120,8 @@ class Subscriber:
     """Applies every version available now, in order; returns the versions applied."""
     self._check_run()
     applied = []
-    while (entry := agreed_entry(self._next())) is not None:
+    while (entry := agreed_entry(self._on_process_0("listing the feed", self._next))) \
+        is not None:
       outcome = self._apply(entry)
       if outcome is _TRANSIENT:
         outcome = self._apply(entry, retry=True)
@@ -136,14 +137,30 @@ class Subscriber:
     self._check_stall()
     return applied
 
+  def _on_process_0(self, what: str, call, default=None):
+    """``call()`` on process 0 (what the feed says, which every process then agrees on);
+    ``default`` on the others, or if it fails (logged, and said in ``stats.stalled``): a feed
+    that cannot be read now is tried again at the next poll, and no process is left out of
+    step with the others."""
+    if jax.process_index() != 0:
+      return default
+    try:
+      return call()
+    except Exception as e:  # noqa: BLE001 - a feed's failure must not stop a poll midway
+      logging.getLogger("jsparse").warning("jsparse: %s failed: %r", what, e)
+      self.stats.stalled = f"{what} failed: {e!r}"
+      return default
+
   def _request_anchor(self) -> None:
     self.stats.anchor_requests += 1
-    self.feed.request_anchor()
+    self._on_process_0("asking for an anchor", self.feed.request_anchor)
 
   def _check_run(self) -> None:
     """Detaches a receiver that holds another run's state (see the class docstring)."""
     run_of = getattr(self.feed, "run_id", None)
-    feed_run = run_of() if run_of is not None else None
+    if run_of is None:
+      return
+    feed_run = agreed_bytes(self._on_process_0("reading the feed's run", run_of) or b"") or None
     if feed_run is None or self.receiver.run_id == feed_run:
       return
     if self.receiver.run_id is not None and self.receiver.version:
@@ -159,8 +176,10 @@ class Subscriber:
   def _check_stall(self) -> None:
     """Asks for an anchor, bounded by ``stall_versions`` and ``stall_seconds``, while the feed
     holds newer versions that this rollout cannot use (the poll applied all it could)."""
-    entries = self.feed.entries()
-    newest = max((e.version for e in entries), default=0)
+    newest = agreed_int(self._on_process_0("listing the feed", lambda: max(
+        (e.version for e in self.feed.entries()), default=0), default=-1))
+    if newest < 0:  # unread: said in stats.stalled; asked again at the next poll
+      return
     if newest <= self.version:
       self._stall, self.stats.stalled = None, None
       return
@@ -200,10 +219,16 @@ class Subscriber:
       parts = self.feed.parts(entry)
     except PartsLostError as e:
       lost, parts = e, []
+    except Exception as e:  # noqa: BLE001 - any read failure: agreed below, read again once
+      lost, parts = PartsLostError(f"version {entry.version} ({entry.kind}) could not be read: "
+                                   f"{e!r}"), []
+    before = self.receiver.digest
     try:
       parts_lib.agree(lost, jax.tree.leaves(self.receiver.params))  # all processes, or none
       self.receiver.receive_parts(parts)
     except _FAILURES as e:
+      if self.receiver.digest != before:  # a donating receiver kept what failed its check
+        self.receiver.detach()  # its bits are no version: it serves version 0 until an anchor
       logging.getLogger("jsparse").warning("jsparse: version %d (%s) not applied%s: %s",
                                            entry.version, entry.kind,
                                            " after a second read" if retry else "", e)

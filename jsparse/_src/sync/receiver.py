@@ -29,7 +29,7 @@ from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.placement import commit_leaves, layouts_of, owned_leaves
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
-from jsparse._src.errors import IntegrityError, JsparseError, VersionError
+from jsparse._src.errors import IntegrityError, JsparseError, PayloadError, VersionError
 from jsparse._src.options import typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
@@ -230,6 +230,9 @@ class Receiver:
       read = parts_lib.read_parts(self.plan, parts, self._flat)
     except JsparseError as e:
       error = e
+    except Exception as e:  # noqa: BLE001 - e.g. a part's reader failed: agreed, then raised
+      error = PayloadError(f"the parts could not be read: {e!r}")
+      error.__cause__ = e
     return self._apply_read(read, error)
 
   @mesh_neutral

@@ -129,6 +129,7 @@ class Sender:
     self._snapshot, digest = programs.snapshot_and_digest(plan, flat)
     self._bits = digest_bytes(digest)  # of the snapshot's bit patterns
     self._needs_anchor = False  # set when a payload failed after the snapshot moved on
+    self._snapshot_lost = False  # a failed diff consumed the snapshot (donated)
     self.run_id: bytes = os.urandom(RUN_BYTES)  # the run's identity in a feed (see engine)
     self._relaid: set[str] = set()  # leaves already warned about (laid out otherwise)
     self._owned: tuple | None = None  # the units this process sends in a part
@@ -137,7 +138,14 @@ class Sender:
 
   def state(self) -> SyncState:
     """What a restarted trainer needs to resume without a full resend. The arrays are the live
-    snapshot: save them before the next ``send``."""
+    snapshot: save them before the next ``send``.
+
+    Raises:
+      VersionError: a failed send consumed the snapshot; the next send (an anchor) makes one.
+    """
+    if self._snapshot_lost:
+      raise VersionError("a failed send consumed the sender's snapshot: send the next version "
+                         "(an anchor) before saving the state")
     return SyncState.of(self.plan, self.version, self._bits, self.snapshot, self.run_id)
 
   @classmethod
@@ -393,6 +401,10 @@ class Sender:
     version = check_version(self.version + 1 if version is None else version)
     if version <= self.version:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}")
+    if self._snapshot_lost:  # a failed diff consumed it: start again from these params
+      self._snapshot = programs.snapshot_and_digest(self.plan, place_on_plan_layouts(
+          self.plan, commit_leaves(self.plan.flatten(params, what="params")), what="params"))[0]
+      self._snapshot_lost, self._needs_anchor = False, True
     # A multi-process trainer sends an anchor if any process must (its encode failed): all
     # parts of a version are of one kind.
     needs_anchor = bool(processes_with(self._needs_anchor, self._snapshot))
@@ -406,24 +418,24 @@ class Sender:
       changes, self._snapshot, digest = programs.sender_changes(
           self.plan, self.coding, old, flat, ranks=not full)
     except BaseException:
-      if any(x.is_deleted() for x in old):  # donated: from here on, only an anchor is exact
-        self._needs_anchor = True
+      if any(x.is_deleted() for x in old):  # donated: only an anchor from new params is exact
+        self._snapshot_lost = self._needs_anchor = True
       raise
-    try:
-      records = host_stage(changes, self._snapshot, full)
-    except BaseException:
-      self._needs_anchor = True
-      raise
-    self._needs_anchor = False
     new_bits = digest_bytes(digest)
     head = PartHeader(self.coding.format, Kind.ANCHOR if full else Kind.DELTA,
                       self.coding.ranked and not full, self.version, version, self.digest,
                       versioned_digest(new_bits, version), 0, 1)
-    self.version, self._bits = version, new_bits
+    self.version, self._bits = version, new_bits  # the snapshot has moved: so do they
     delta = changes.delta
     self.last_stats = SendStats(version, int(np.sum(local_value(delta.counts))),
                                 self.plan.num_elements, self.plan.rollout_bytes,
                                 int(np.sum(local_value(delta.overflow))), full)
+    try:
+      records = host_stage(changes, self._snapshot, full)
+    except BaseException:
+      self._needs_anchor = True  # the receivers never get this version
+      raise
+    self._needs_anchor = False
     return head, records
 
 
