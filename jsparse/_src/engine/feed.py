@@ -59,8 +59,8 @@ class Feed(Protocol):
 
   :meth:`entries` lists the committed entries (every part put); :meth:`pending` those with
   some parts put and not committed, e.g. left by a publish that failed half-way: the
-  publisher's retention removes (:meth:`remove`) pending entries older than the version it
-  is publishing. :meth:`parts` returns the parts of a committed entry as objects with ``len``
+  publisher (process 0) removes (:meth:`remove`) pending entries of versions up to its own
+  that it did not just write, and all of them when it starts. :meth:`parts` returns the parts of a committed entry as objects with ``len``
   and slicing (``bytes``-like), or raises :class:`PartsLostError`.
 
   A feed belongs to one run: :meth:`claim_run` records the publisher's run id the first time
@@ -352,7 +352,7 @@ class DirectoryFeed:
     if len(run_id) != _RUN_BYTES:
       raise ValueError(f"a run id is {_RUN_BYTES} bytes, got {len(run_id)}")
     with self._root_fd() as root:
-      tmp = f".{_RUN}.{os.getpid()}.tmp"
+      tmp = f".{_RUN}.{os.urandom(8).hex()}.tmp"  # unique across hosts sharing the feed
       fd = _create(root, tmp)
       try:
         os.write(fd, run_id.hex().encode("ascii") + b"\n")
