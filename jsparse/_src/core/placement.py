@@ -8,6 +8,7 @@ more data than needed, and owning buffers before donating them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -99,6 +100,65 @@ def place_on_plan_layouts(plan: Plan, flat: list, *, what: str) -> list:
           "devices): diff where the trainer's arrays live")
     out.append(jax.device_put(x, target))
   return out
+
+
+def _same_placement(x: jax.Array, like: jax.Array) -> bool:
+  return x.sharding == like.sharding or x.sharding.is_equivalent_to(like.sharding, x.ndim)
+
+
+def _same_mesh(x: jax.Array, like: jax.Array) -> bool:
+  """Whether ``x`` lies on the mesh of ``like`` (any layout): one program can take both."""
+  return (isinstance(x.sharding, NamedSharding) and isinstance(like.sharding, NamedSharding)
+          and x.sharding.mesh == like.sharding.mesh)
+
+
+def placed_for_diff(plan: Plan, flat: list, snapshot: list, warned: set[str]) -> list:
+  """A sender's trainer leaves, ready to be diffed against its ``snapshot`` (which lies on the
+  plan's layouts).
+
+  A jitted train step lays its outputs out as XLA chooses: it may split a bias or a norm scale
+  that the plan (made from the params before the step) holds whole. Such a leaf stays as it
+  is: the plan's segments, units and wire format do not depend on how a leaf they hold whole
+  is laid out, and the diff program casts it and gathers it where the snapshot lies, inside the
+  program, as it gathers the pooled leaves (no warning, no reshard of its own). A leaf that
+  the plan splits into blocks must come in those blocks, and every leaf must lie on the
+  snapshot's mesh: one laid out otherwise is resharded for every diff (the plan or the trainer
+  should change), with a warning the first time for each leaf (its path is then added to
+  ``warned``).
+
+  >>> import jax, jax.numpy as jnp, jsparse
+  >>> from jax.sharding import NamedSharding, PartitionSpec as P
+  >>> mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+  >>> params = {'b': jax.device_put(jnp.zeros(64), NamedSharding(mesh, P()))}
+  >>> plan = jsparse.make_plan(params)
+  >>> split = jax.device_put(jnp.ones(64), NamedSharding(mesh, P("fsdp")))  # as a step returns it
+  >>> warned = set()
+  >>> placed_for_diff(plan, [split], [params['b']], warned)[0] is split, warned
+  (True, set())
+  """
+  out = []
+  for x, old, leaf in zip(flat, snapshot, plan.leaves):
+    if _same_placement(x, old) or (leaf.layout is None and _same_mesh(x, old)):
+      out.append(x)
+      continue
+    if leaf.path not in warned:
+      warned.add(leaf.path)
+      where = (f"{_describe(_layout_of(x, leaf))}, the plan's leaf {_describe(leaf.layout)}"
+               if _same_mesh(x, old) else f"on {x.sharding}, the plan's on {old.sharding}")
+      logging.getLogger("jsparse").warning(
+          "jsparse: params leaf %s is laid out otherwise than the plan (%s): resharded for "
+          "every diff; make the plan from the params as the train step returns them (e.g. "
+          "after one step), or have the step return them laid out as planned", leaf.path,
+          where)
+    out.append(jax.device_put(x, old.sharding))
+  return out
+
+
+def diff_targets(flat: list, snapshot: list) -> list:
+  """Per leaf, the snapshot's sharding where the leaf is laid out otherwise (on the same mesh,
+  see :func:`placed_for_diff`), else None: where the diff program gathers the leaf."""
+  return [None if _same_placement(x, old) or not _same_mesh(x, old) else old.sharding
+          for x, old in zip(flat, snapshot)]
 
 
 def owned_leaves(flat: list) -> list:

@@ -6,9 +6,10 @@ chunk's structural sub-plan (and the receiver's block layouts) static: chunks of
 structure share one compilation, so compile time follows the distinct leaf shapes, not the leaf
 count. The sender's diff program and the digest compile once per chunk structure; the
 per-change programs (ranks, positions, the receiver's apply) take slots sized to the payload's
-changes and compile at most 4 variants each (:func:`slots_needed`). The chunks' results are
-put back in plan order (per leaf, per segment), so everything after the device stages sees the
-whole tree.
+changes, at most 4 variants each (:func:`slots_needed`), compiled on a background thread when
+first needed while a compiled variant serves (:class:`SlotLevels`): no sync after the first
+compiles. The chunks' results are put back in plan order (per leaf, per segment), so
+everything after the device stages sees the whole tree.
 
 - Sender: :func:`sender_changes` diffs, takes the next snapshot and digests it (one program),
   then ranks the changes of the ordered segments (a second, on slots sized to the changes).
@@ -24,17 +25,24 @@ whole tree.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
-from typing import NamedTuple
+import logging
+import threading
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding
 
-from jsparse._src.core.chunks import (chunks_of, place_leaves, place_segments, sum_digests,
-                                      unchunked_leaves)
+from jsparse._src.core.chunks import (Chunk, chunks_of, place_leaves, place_segments,
+                                      sum_digests, unchunked_leaves)
 from jsparse._src.core.delta import Delta, apply_flat, diff_flat_with_old, segment_bits
+from jsparse._src.core.placement import diff_targets
 from jsparse._src.core.digest import bits_digest
+from jsparse._src.core.layout import no_context_mesh
 from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.core.units import local_value
 from jsparse._src.wire import block_ranks
@@ -71,6 +79,10 @@ class ReceiverInputs(NamedTuple):
     counts: ``int32[segments]``: used slots (0 for dense records, written separately).
     ranked: per segment, whether its keys are ranks (static).
     coded: whether the values are ulp codes (format 2) or new bits (static).
+    levels: per chunk, ``(the slot level of its slots, the level its changes need)`` (see
+      :class:`SlotLevels`); empty: none is compiled ahead.
+    compile_staging: ``(segment, slots) -> None`` compiles the staging's programs for a
+      segment's slots (run on the background thread of :class:`SlotLevels`), or None.
   """
 
   keys: tuple
@@ -78,6 +90,8 @@ class ReceiverInputs(NamedTuple):
   counts: np.ndarray
   ranked: tuple[bool, ...]
   coded: bool
+  levels: tuple = ()
+  compile_staging: Callable[[int, int], None] | None = None
 
 
 def cast_flat(plan: Plan, flat: list) -> list[jax.Array]:
@@ -116,11 +130,26 @@ def _tables(plan: Plan, seg: Segment, flat: list) -> ranks_lib.ClassTables:
   return ranks_lib.class_tables(segment_bits(plan, seg, flat), seg.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
-def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: jax.Array):
+def _placed(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  """Inside a program: ``x`` laid out as ``sharding`` (on its mesh: explicit axes resharded,
+  automatic ones constrained)."""
+  if any(t == AxisType.Explicit for t in sharding.mesh.axis_types):
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="relaid",
+                   donate_argnums=2)
+def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: jax.Array, *,
+                 relaid: tuple | None = None):
   """A chunk's (delta, old bits at its positions, per-block counts, class tables of the ordered
   segments (if ``ranked``; for :func:`sparse_program`), the next snapshot, its digest). The
-  snapshot is donated."""
+  snapshot is donated. ``relaid``: per leaf, the snapshot's sharding where ``new`` is laid out
+  otherwise (a leaf the plan holds whole, as a train step may split it), else None: such a leaf
+  is cast and gathered here, so the next snapshot keeps the snapshot's layout."""
+  if relaid is not None:
+    new = [x if target is None else _placed(x.astype(leaf.rollout_dtype), target)
+           for x, target, leaf in zip(new, relaid, plan.leaves)]
   delta, old_values, block_counts = diff_flat_with_old(plan, snapshot, new)
   tables = tuple(_tables(plan, seg, snapshot) if ranked and seg.ordered else None
                  for seg in plan.segments)
@@ -166,13 +195,34 @@ def sparse_program(plan: Plan, slots: tuple[int, ...], tables: tuple, positions:
   return tuple(out)
 
 
+def _relaid(targets: list) -> tuple | None:
+  return None if all(t is None for t in targets) else tuple(targets)
+
+
+def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, *args: tuple) -> tuple:
+  """:func:`sparse_program` of a chunk at the highest compiled slot level that holds its
+  ``counts`` (see :class:`SlotLevels`); the level they need, if another, is added to
+  ``requests``. ``args``: the chunk's tables, positions, new and old bits."""
+  ids = range(len(chunk.segment_ids))
+  needed = needed_level(chunk.plan, ids, counts[list(chunk.segment_ids)])
+  family = ("send", chunk.plan, tuple(t is None for t in args[0]), args[1][0].sharding)
+  level = SLOT_LEVELS.choose(family, needed)
+  SLOT_LEVELS.ran(family, level)
+  if level != needed and SLOT_LEVELS.wanted(family, needed):
+    slots, abstract = level_slots(chunk.plan, ids, needed), jax.tree.map(like, args)
+    requests.append((family, needed, lambda: sparse_program.lower(chunk.plan, slots,
+                                                                  *abstract).compile()))
+  return sparse_program(chunk.plan, level_slots(chunk.plan, ids, level), *args)
+
+
 def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ranks: bool = True
                    ) -> tuple[DeviceChanges, list[jax.Array], jax.Array]:
   """The sender's device stage: (its changes, the next snapshot, its digest). ``snapshot`` is
   donated. ``ranks=False`` skips ranking (an anchor needs none)."""
   chunks = chunks_of(plan)
-  outs = [diff_program(c.plan, coding.ranked, c.leaves(snapshot), c.leaves(new), c.leaf_id_array)
-          for c in chunks]
+  targets = diff_targets(new, snapshot)
+  outs = [diff_program(c.plan, coding.ranked, c.leaves(snapshot), c.leaves(new), c.leaf_id_array,
+                       relaid=_relaid(c.leaves(targets))) for c in chunks]
   deltas = [o[0] for o in outs]
   delta = Delta(place_segments(plan, chunks, [d.indices for d in deltas]),
                 place_segments(plan, chunks, [d.values for d in deltas]),
@@ -184,10 +234,11 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
   digest = sum_digests([o[5] for o in outs])
   ranks_out = None
   if ranks:  # a delta: its changes (and ranks) need only as many slots as this step's changes
-    slots = slots_needed(plan, local_value(delta.counts))
-    trimmed = [sparse_program(c.plan, c.segments(slots), c.segments(tables),
-                              c.segments(delta.indices), c.segments(delta.values),
-                              c.segments(old_values)) for c in chunks]
+    counts, requests = local_value(delta.counts), []
+    trimmed = [_trimmed(c, counts, requests, c.segments(tables), c.segments(delta.indices),
+                        c.segments(delta.values), c.segments(old_values)) for c in chunks]
+    for request in requests:  # once this call's programs are compiled
+      SLOT_LEVELS.request(*request)
     indices, values, old_values, ranks_out = (
         place_segments(plan, chunks, [[seg[k] for seg in out] for out in trimmed])
         for k in range(4))
@@ -196,21 +247,185 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
   return DeviceChanges(delta, old_values, ranks_out, block_counts), next_snapshot, digest
 
 
+def level_slots(plan: Plan, segment_ids: Sequence[int], level: int) -> tuple[int, ...]:
+  """The slots of ``segment_ids`` at slot level ``level``: their capacities halved ``level``
+  times (rounded up)."""
+  return tuple(-(-plan.segments[s].capacity // 2**level) for s in segment_ids)
+
+
+def needed_level(plan: Plan, segment_ids: Sequence[int], counts) -> int:
+  """The highest slot level (at most 3) at which every one of ``segment_ids`` holds its
+  ``counts[s]`` changes."""
+  for level in (3, 2, 1):
+    if all(int(counts[s]) <= n for s, n in zip(segment_ids, level_slots(plan, segment_ids,
+                                                                        level))):
+      return level
+  return 0
+
+
 def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
-  """Per segment, how many slots a payload with ``counts`` changes is padded to: the capacity
-  halved up to 3 times while every segment of its chunk still fits. A chunk's compiled shapes
-  stay few (4 variants), and the per-change work of a sparse payload follows each chunk's
-  density rather than its capacity: a pool of small leaves (all its elements as capacity)
-  is not padded to its capacity because the matrices of another chunk need theirs."""
+  """Per segment, how many slots a payload with ``counts`` changes needs: the capacity halved
+  up to 3 times while every segment of its chunk still fits (its chunk's
+  :func:`needed_level`). A chunk's compiled shapes stay few (4 levels), and the per-change
+  work of a sparse payload follows each chunk's density rather than its capacity: a pool of
+  small leaves (all its elements as capacity) is not padded to its capacity because the
+  matrices of another chunk need theirs. The programs run at these slots once the level is
+  compiled (:class:`SlotLevels`)."""
   slots = [seg.capacity for seg in plan.segments]
   for chunk in chunks_of(plan):
-    for halvings in (3, 2, 1):
-      halved = {s: -(-plan.segments[s].capacity // 2**halvings) for s in chunk.segment_ids}
-      if all(int(counts[s]) <= n for s, n in halved.items()):
-        for s, n in halved.items():
-          slots[s] = n
-        break
+    ids = chunk.segment_ids
+    for s, n in zip(ids, level_slots(plan, ids, needed_level(plan, ids, counts))):
+      slots[s] = n
   return tuple(slots)
+
+
+@dataclasses.dataclass
+class _Family:
+  """The slot levels of one chunk's per-change programs (one chunk structure, placed one way)
+  that are compiled, and those compiling, per configuration of the programs."""
+
+  ready: dict[Any, set[int]] = dataclasses.field(default_factory=dict)
+  pending: dict[Any, set[int]] = dataclasses.field(default_factory=dict)
+
+
+class SlotLevels:
+  """Which slot levels of the per-change programs are compiled, and a background thread that
+  compiles the others, so that no sync after the first compiles.
+
+  A chunk's per-change programs (the sender's :func:`sparse_program`; the receiver's staging,
+  positions and apply) take slots sized to the step's changes: its capacities halved 0 to 3
+  times (the *level*), each level a compilation. A training run's density drifts across those
+  boundaries (AdamW: 2.2% to 0.85% over its first steps), and compiling a level when a step
+  first needs it stalls that step for seconds. Instead, the first call of a chunk's programs
+  runs (and compiles) level 0, the capacity, which holds any step's changes; a level that a
+  later step needs is compiled on a background thread, ahead of time (``lower`` and
+  ``compile`` with the shapes and shardings the call will have), and until it is ready the
+  highest compiled level that holds the changes serves: more slots, the same result. Levels
+  never needed are never compiled. In a job of several processes every process must run the
+  same shapes, whatever it has compiled: there each call runs at the level it needs, compiled
+  when first needed.
+
+  Which level runs changes only how many slots the device programs take, never a payload's
+  bytes nor the result. A compilation in the background that fails, or that does not match
+  the call after all, costs the call its own compilation, as before, nothing else.
+
+  A *family* (a hashable key) is a chunk's programs placed one way; a *config*, what else they
+  are compiled for (a receiver's coding, donation): a level serves once it is compiled for
+  every config the family ran with.
+
+  >>> levels = SlotLevels()
+  >>> levels.choose('family', needed=3)  # a first call: level 0, compiled by the call
+  0
+  >>> levels.ran('family', 0)
+  >>> levels.request('family', 3, lambda: None)  # level 3, compiled in the background
+  >>> levels.choose('family', needed=3)  # meanwhile
+  0
+  >>> levels.wait(), levels.choose('family', needed=3), levels.choose('family', needed=1)
+  (True, 3, 0)
+  """
+
+  def __init__(self):
+    self._families: dict[Any, _Family] = {}
+    self._jobs: collections.deque = collections.deque()
+    self._unfinished = 0
+    self._thread: threading.Thread | None = None
+    self._lock = threading.Lock()
+    self._idle = threading.Condition(self._lock)
+
+  def choose(self, family: Any, needed: int) -> int:
+    """The level a call of ``family`` runs at when its changes need level ``needed``:
+    ``needed`` if compiled, else the highest compiled level below it; level 0 at a family's
+    first call."""
+    if jax.process_count() > 1:
+      return needed
+    with self._lock:
+      known = self._families.get(family)
+      if known is None or not known.ready:
+        return 0
+      common = set.intersection(*known.ready.values())
+      return max((level for level in common if level <= needed), default=needed)
+
+  def ran(self, family: Any, level: int, config: Any = None) -> None:
+    """Records that a call of ``family`` ran (so compiled) ``level`` for ``config``."""
+    if jax.process_count() > 1:
+      return
+    with self._lock:
+      known = self._families.setdefault(family, _Family())
+      known.ready.setdefault(config, set()).add(level)
+
+  def wanted(self, family: Any, level: int, config: Any = None) -> bool:
+    """Whether ``level`` of ``family`` for ``config`` is neither compiled nor compiling."""
+    if jax.process_count() > 1:
+      return False
+    with self._lock:
+      known = self._families.get(family)
+      return known is None or (level not in known.ready.get(config, ())
+                               and level not in known.pending.get(config, ()))
+
+  def request(self, family: Any, level: int, job: Callable[[], None],
+              config: Any = None) -> None:
+    """Compiles ``level`` of ``family`` for ``config`` in the background with ``job()``, unless
+    it is compiled or compiling."""
+    if not self.wanted(family, level, config):
+      return
+    context = (jax.config.jax_default_device, jax.config.jax_enable_x64)  # this thread's
+    with self._lock:
+      known = self._families.setdefault(family, _Family())
+      pending = known.pending.setdefault(config, set())
+      if level in pending:
+        return
+      pending.add(level)
+      self._jobs.append((family, config, level, job, context))
+      self._unfinished += 1
+      if self._thread is None or not self._thread.is_alive():  # (not alive: after a fork)
+        self._thread = threading.Thread(target=self._run, name="jsparse-slot-levels")
+        self._thread.start()
+
+  def wait(self, timeout: float | None = None) -> bool:
+    """Waits until every requested level is compiled (or ``timeout`` seconds); whether it is."""
+    with self._idle:
+      return self._idle.wait_for(lambda: self._unfinished == 0, timeout)
+
+  def _run(self) -> None:
+    """The background thread: compiles the requested levels one at a time; stops when there
+    are none left, or when the main thread has ended (the interpreter is exiting)."""
+    while True:
+      with self._lock:
+        if not self._jobs or not threading.main_thread().is_alive():
+          self._unfinished -= len(self._jobs)
+          self._jobs.clear()
+          self._thread = None
+          self._idle.notify_all()
+          return
+        family, config, level, job, (default_device, x64) = self._jobs.popleft()
+      try:  # in the context of the call (what jit's caches key on), not this thread's
+        with no_context_mesh(), jax.default_device(default_device), jax.enable_x64(x64):
+          job()
+      except Exception as e:  # noqa: BLE001 (the call compiles it then, as it would have)
+        logging.getLogger("jsparse").debug("jsparse: slot level %d not compiled ahead: %r",
+                                           level, e)
+      with self._lock:
+        known = self._families[family]
+        known.pending[config].discard(level)
+        known.ready.setdefault(config, set()).add(level)
+        self._unfinished -= 1
+        self._idle.notify_all()
+
+
+SLOT_LEVELS = SlotLevels()
+
+
+def wait_for_slot_levels(timeout: float | None = None) -> bool:
+  """Waits until the slot levels requested so far are compiled (see :class:`SlotLevels`):
+  for benchmarks of the steady state, and tests."""
+  return SLOT_LEVELS.wait(timeout)
+
+
+def like(x: jax.Array, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
+  """What a call with ``x`` (or an array like it of ``shape``) compiles for: its shape, dtype
+  and sharding (None when uncommitted, which is how ``jit`` sees it)."""
+  return jax.ShapeDtypeStruct(x.shape if shape is None else shape, x.dtype,
+                              sharding=x.sharding if getattr(x, "committed", True) else None)
 
 
 def _positions(plan: Plan, layouts: tuple, ranked: tuple[bool, ...], flat: list, keys: tuple,
@@ -264,18 +479,65 @@ def leaves_digest(plan: Plan, flat: list, layouts: tuple) -> jax.Array:
                       for c in chunks_of(plan)])
 
 
+def receiver_family(chunk: Chunk, flat: Sequence) -> tuple:
+  """The key of a receiver chunk's per-change programs in :data:`SLOT_LEVELS`: its structure,
+  and the placement of its leaves ``flat`` (the receiver's)."""
+  return ("receive", chunk.plan, getattr(flat[chunk.leaf_ids[0]], "sharding", None))
+
+
 def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs, *,
                  donate: bool) -> tuple[list[jax.Array], jax.Array]:
-  """The receiver's device stage, chunk by chunk: (the updated leaves, their digest)."""
+  """The receiver's device stage, chunk by chunk: (the updated leaves, their digest). A chunk
+  whose slots are of a higher level than it had (see :class:`SlotLevels`) has that level
+  compiled in the background for the next versions."""
   chunks = chunks_of(plan)
-  outs = []
-  for c in chunks:
+  outs, requests = [], []
+  for k, c in enumerate(chunks):
     chunk_layouts, chunk_flat = tuple(c.leaves(layouts)), c.leaves(flat)
+    ranked = c.segments(inputs.ranked)
     indices = keys = c.segments(inputs.keys)
+    values, counts = c.segments(inputs.values), inputs.counts[list(c.segment_ids)]
+    if inputs.levels:  # this call compiles its level; the one needed, and the fallback level
+      # 0 (a first call of this config may not be at 0), in the background
+      family = receiver_family(c, flat)
+      config = (chunk_layouts, inputs.coded, ranked, bool(donate))
+      level, needed = inputs.levels[k]
+      SLOT_LEVELS.ran(family, level, config)
+      for wanted in sorted({needed, 0} - {level}):
+        if SLOT_LEVELS.wanted(family, wanted, config):
+          requests.append((family, wanted, _receiver_job(
+              c, wanted, chunk_layouts, inputs.coded, ranked, donate, chunk_flat, keys, values,
+              counts, inputs.compile_staging), config))
     if inputs.coded:
-      indices = positions_program(c.plan, chunk_layouts, c.segments(inputs.ranked), chunk_flat,
-                                  keys, inputs.counts[list(c.segment_ids)])
+      indices = positions_program(c.plan, chunk_layouts, ranked, chunk_flat, keys, counts)
     outs.append(apply_program(donate)(c.plan, chunk_layouts, inputs.coded, chunk_flat, indices,
-                                      c.segments(inputs.values), c.leaf_id_array))
+                                      values, c.leaf_id_array))
+  for request in requests:  # once this call's programs are compiled: not competing with them
+    SLOT_LEVELS.request(*request)
   return (place_leaves(plan, chunks, [o[0] for o in outs], flat),
           sum_digests([o[1] for o in outs]))
+
+
+def _receiver_job(chunk: Chunk, level: int, layouts: tuple, coded: bool, ranked: tuple,
+                  donate: bool, flat: list, keys: tuple, values: tuple, counts: np.ndarray,
+                  compile_staging: Callable[[int, int], None] | None) -> Callable[[], None]:
+  """What compiles a receiver chunk's programs at ``level``, with the shapes and shardings of
+  this call's arrays (taken now: the job holds no array)."""
+  slots = level_slots(chunk.plan, range(len(chunk.segment_ids)), level)
+  flat = [like(x) for x in flat]
+  keys = tuple(like(x, (n,)) for x, n in zip(keys, slots))
+  values = tuple(like(x, (n,)) for x, n in zip(values, slots))
+
+  def job() -> None:
+    if compile_staging is not None:
+      for s, n in zip(chunk.segment_ids, slots):
+        compile_staging(s, n)
+    indices = keys
+    if coded:
+      compiled = positions_program.lower(chunk.plan, layouts, ranked, flat, keys,
+                                         counts).compile()
+      indices = tuple(jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding)
+                      for n, sharding in zip(slots, compiled.output_shardings))
+    apply_program(donate).lower(chunk.plan, layouts, coded, flat, indices, values,
+                                chunk.leaf_id_array).compile()
+  return job

@@ -5,10 +5,10 @@ version: each record (a segment's, or a part's unit's) goes to the first device 
 segment's leaves as soon as it is decoded, in blocks of at most :data:`MAX_BLOCK` changes (only
 a record's last block is padded, on the host). When every record is in,
 :meth:`StagedRecords.inputs` writes each segment's blocks into its slots (a small jitted
-scatter per block, compiled once per (slots, block) shape, in place) and replicates the slots
-over the devices of the segment's leaves: the :class:`~programs.ReceiverInputs` of the
-receiver's device stage, on the device already. A version that is refused is dropped with its
-staged blocks: nothing was written to the params.
+scatter per block, in place; compiled for a (slots, block) shape at its first sight, or ahead)
+and replicates the slots over the devices of the segment's leaves: the
+:class:`~programs.ReceiverInputs` of the receiver's device stage, on the device already. A
+version that is refused is dropped with its staged blocks: nothing was written to the params.
 
 Records may arrive in any order, a segment's in several pieces (the units of a split leaf from
 several parts): the programs that take the slots look at each change on its own, so where a
@@ -35,7 +35,9 @@ import numpy as np
 
 from jsparse._src.core.placement import replicated_on
 from jsparse._src.core.plan import Plan, Segment
-from jsparse._src.sync.programs import ReceiverInputs, slots_needed
+from jsparse._src.core.chunks import chunks_of
+from jsparse._src.sync import programs
+from jsparse._src.sync.programs import ReceiverInputs
 from jsparse._src.wire.payload import Format, Mode, Payload, SegmentPayload, ranked_segments
 
 MAX_BLOCK = 1 << 16  # changes per staged block: bounds the host's padding and the scatter
@@ -82,6 +84,31 @@ def _device_owned(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Ar
   return jnp.copy(keys), jnp.copy(values)
 
 
+_COMPILED: set[tuple] = set()  # (slots, dtype, block, device) whose programs are compiled
+
+
+def compile_slots(plan: Plan, devices: Sequence, segment: int, slots: int) -> None:
+  """Compiles the staging's programs for ``slots`` slots of ``segment`` (staged on
+  ``devices[segment]``), whether the segment has changes or not: at a version's first sight
+  of those slots, or ahead of the version that needs them (``programs.SlotLevels``)."""
+  seg = plan.segments[segment]
+  block, device = block_size(seg), devices[segment]
+  key = (slots, seg.bit_dtype, block, device)
+  if key in _COMPILED:
+    return
+  dtype, fill = jax.dtypes.canonicalize_dtype(seg.bit_dtype), np.int32(0)
+  block_keys = jax.ShapeDtypeStruct((block,), jnp.int32)  # uncommitted, as the staged blocks
+  block_values = jax.ShapeDtypeStruct((block,), dtype)
+  with jax.default_device(device):
+    _device_owned.lower(block_keys, block_values).compile()
+    _empty_slots.lower(slots, seg.bit_dtype, fill).compile()
+    _slots_with_block.lower(slots, fill, block_keys, block_values, fill).compile()
+    _write_block.lower(jax.ShapeDtypeStruct((slots,), jnp.int32),
+                       jax.ShapeDtypeStruct((slots,), dtype), block_keys, block_values, fill,
+                       fill).compile()
+  _COMPILED.add(key)
+
+
 def _replicated(arrays: Sequence[jax.Array], shardings: Sequence) -> list[jax.Array]:
   """Each of ``arrays`` (on one device) copied to every device of this process that its
   sharding (a replicated one) names, as one array: no data crosses processes. Arrays where they
@@ -112,6 +139,7 @@ class StagedRecords:
 
   def __init__(self, plan: Plan, flat: Sequence[jax.Array]):
     self.plan = plan
+    self._families = [programs.receiver_family(c, flat) for c in chunks_of(plan)]
     self._shardings = [replicated_on(flat[seg.leaf_ids[0]]) for seg in plan.segments]
     # Where a segment's blocks are staged and its slots filled: a device of this process.
     self._devices = [next(iter(sharding.addressable_devices_indices_map((0,))))
@@ -144,12 +172,22 @@ class StagedRecords:
     """The :class:`~programs.ReceiverInputs` of the staged records, on the devices. Slots are
     sized by ``slot_counts`` (per segment, the changes of the whole version, which a rollout
     process of a multi-process job shares with the others whatever it read), by default by
-    the changes staged here. ``ranked``: per segment, whether its keys are ranks; ``coded``:
+    the changes staged here, at the slot level :class:`~programs.SlotLevels` chooses (the one
+    they need once compiled). ``ranked``: per segment, whether its keys are ranks; ``coded``:
     whether the values are ulp codes."""
     counts = self._counts.astype(np.int32)
-    slots = slots_needed(self.plan, counts if slot_counts is None else slot_counts)
+    sizing = counts if slot_counts is None else np.asarray(slot_counts)
+    slots, levels = [0] * len(self.plan.segments), []
+    for c, family in zip(chunks_of(self.plan), self._families):
+      needed = programs.needed_level(self.plan, c.segment_ids, sizing)
+      levels.append((programs.SLOT_LEVELS.choose(family, needed), needed))
+      for s, n in zip(c.segment_ids, programs.level_slots(self.plan, c.segment_ids,
+                                                          levels[-1][0])):
+        slots[s] = n
     keys, values = [], []
     for s, (seg, n) in enumerate(zip(self.plan.segments, slots)):
+      compile_slots(self.plan, self._devices, s, n)  # all of them, the first time: a later
+      # version may have changes where this one has none (or more blocks)
       with jax.default_device(self._devices[s]):  # the staged blocks' device
         fill, blocks = np.int32(seg.size), self._blocks[s]
         if blocks:
@@ -167,7 +205,8 @@ class StagedRecords:
     self._blocks = [[] for _ in self.plan.segments]  # the slots hold them now
     placed = _replicated(keys + values, self._shardings * 2)
     return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), counts,
-                          tuple(ranked), coded)
+                          tuple(ranked), coded, tuple(levels),
+                          functools.partial(compile_slots, self.plan, tuple(self._devices)))
 
 
 def stage_records(plan: Plan, flat: Sequence[jax.Array], records: Iterable[SegmentPayload]

@@ -1,0 +1,118 @@
+"""No sync after the first compiles: as a run's density drifts across the slot levels
+(``programs.SlotLevels``), the levels a step needs are compiled on a background thread while a
+compiled level serves, for whole payloads and streams alike; once compiled, they serve."""
+
+import collections
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse.testing import assert_trees_bitwise_equal
+from jsparse._src.sync import programs
+from jsparse._src.wire import framing
+
+# Densities across the capacity's halvings (capacity 5%: levels at 5, 2.5, 1.25, 0.625%).
+DRIFT = (0.04, 0.02, 0.01, 0.005, 0.002, 0.03, 0.0005, 0.04)
+
+_COMPILES: collections.Counter = collections.Counter()  # XLA compilations, by thread
+
+
+def _count(event: str, seconds: float, **kwargs) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES[threading.get_ident()] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count)  # once: listeners stay
+
+
+def _compiles() -> int:
+  """XLA compilations in this thread so far (not the background thread's)."""
+  return _COMPILES[threading.get_ident()]
+
+
+def _tree(rng, rows: int) -> dict:
+  """A few leaves; ``rows`` makes the shapes of one test's own (no program compiled before)."""
+  return {"w": rng.standard_normal((rows, 96), np.float32),
+          "v": rng.standard_normal((128, 128), np.float32),
+          "b": rng.standard_normal(96, np.float32),
+          "scale": 1 + 0.1 * rng.standard_normal(rows, np.float32)}
+
+
+def _step(rng, params: dict, density: float) -> dict:
+  """``params`` with about ``density`` of the elements of each leaf moved by a few ulps or
+  more (their bf16 bits change)."""
+  out = {}
+  for name, x in params.items():
+    x = np.array(x)
+    flat = x.reshape(-1)
+    at = rng.choice(flat.size, max(1, round(density * flat.size)), replace=False)
+    flat[at] += 0.05 * np.abs(flat[at]) + 1e-3
+    out[name] = jnp.asarray(x)
+  return out
+
+
+def _whole(sender, receiver, params):
+  return receiver.receive(sender.send(params))
+
+
+def _streamed(sender, receiver, params):
+  stream = receiver.open_stream()
+  for part in sender.send_stream(params, chunk_bytes=40_000):
+    stream.add(part)
+  return stream.commit()
+
+
+@pytest.mark.parametrize("coding, rows", [("ranked", 256), ("lists", 264)])
+@pytest.mark.parametrize("sync", [_whole, _streamed], ids=["whole", "stream"])
+def test_no_sync_after_the_first_compiles_while_the_density_drifts(sync, coding, rows):
+  rng = np.random.default_rng(3)
+  rows += 16 * (sync is _streamed)
+  params = {k: jnp.asarray(v) for k, v in _tree(rng, rows).items()}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.05,
+                           bucket_size=4096)
+  sender = jsparse.Sender(plan, params, coding=coding)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  after_first, densities = None, []
+  for density in DRIFT:
+    params = _step(rng, params, density)
+    assert_trees_bitwise_equal(sync(sender, receiver, params), plan.cast(params))
+    densities.append(sender.last_stats.density)
+    if after_first is None:
+      after_first = _compiles()  # the first sync compiles (its level, the fallback level 0)
+  assert _compiles() == after_first, f"steps after the first compiled (densities {densities})"
+  assert max(densities) > 0.025 and min(densities) < 0.00625  # across every level
+  assert programs.wait_for_slot_levels(timeout=600)
+
+
+def test_levels_compiled_in_the_background_then_serve(monkeypatch):
+  """Once a level is compiled, the programs run at the slots the changes need (not the
+  capacity), still without compiling in the sync's thread."""
+  rng = np.random.default_rng(4)
+  params = {k: jnp.asarray(v) for k, v in _tree(rng, 304).items()}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.05,
+                           bucket_size=4096)
+  sender = jsparse.Sender(plan, params)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  for density in (0.04, 0.005):  # the second asks for level 3 of the matrices
+    params = _step(rng, params, density)
+    assert_trees_bitwise_equal(_whole(sender, receiver, params), plan.cast(params))
+  assert programs.wait_for_slot_levels(timeout=600)
+  sent, applied = [], []
+  sparse_program, apply_program = programs.sparse_program, programs.apply_program
+  monkeypatch.setattr(programs, "sparse_program", lambda chunk_plan, slots, *args: (
+      sent.append(slots), sparse_program(chunk_plan, slots, *args))[1])
+  monkeypatch.setattr(programs, "apply_program", lambda donate: lambda *args: (
+      applied.append(tuple(len(i) for i in args[4])), apply_program(donate)(*args))[1])
+  before = _compiles()
+  params = _step(rng, params, 0.005)
+  data = sender.send(params)
+  assert_trees_bitwise_equal(receiver.receive(data), plan.cast(params))
+  assert _compiles() == before
+  wanted = programs.slots_needed(plan, [r.count for r in framing.decode(plan, data).segments])
+  assert sorted(n for slots in sent for n in slots) == sorted(wanted)
+  assert sorted(n for slots in applied for n in slots) == sorted(wanted)
+  assert max(wanted) < max(seg.capacity for seg in plan.segments) // 4  # level 3, halved
