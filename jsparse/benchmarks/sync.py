@@ -50,8 +50,10 @@ METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + 
 
 
 def _best(fn: Callable, setup: Callable[[], tuple] = tuple, repeats: int = 5) -> float:
-  """Best wall time of ``fn(*setup())`` (setup not timed; a warm-up call first)."""
+  """Best wall time of ``fn(*setup())`` (setup not timed; a warm-up call first, and the slot
+  levels it asked for compiled before timing)."""
   jax.block_until_ready(fn(*setup()))
+  programs.wait_for_slot_levels()
   best = float("inf")
   for _ in range(repeats):
     args = setup()
