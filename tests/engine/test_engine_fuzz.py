@@ -51,7 +51,7 @@ class _FaultyFeed:
     self.feed.put(entry, part, data)
 
 
-class _RolloutFeed:
+class RolloutFeed:
   """A rollout's view of the feed: ``drop`` anchor requests are lost; the reads of the
   entries in ``damaged`` come back damaged (``"truncate"`` or ``"flip"``) once."""
 
@@ -156,7 +156,7 @@ def run_case(plan, seed: int, feed, damage) -> dict:
   trainer_saves = [_host_copy(publisher.sender.state())]
 
   def rollout(start, **kwargs):
-    view = _RolloutFeed(feed)
+    view = RolloutFeed(feed)
     return {"sub": Subscriber(start, view, stall_versions=2, stall_seconds=3600, **kwargs),
             "view": view, "period": int(rng.integers(1, 4)), "saves": [], "lag": 0,
             "longest": 0}

@@ -13,6 +13,7 @@ import jsparse
 from jsparse.engine import DirectoryFeed, Publisher, Subscriber
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
+from tests.engine.test_engine_fuzz import RolloutFeed
 
 def _states(count, seed=0):
   rng = np.random.default_rng(seed)
@@ -93,20 +94,11 @@ def test_an_anchor_request_is_owed_until_an_anchor_is_committed(plan, states, tm
   assert_trees_bitwise_equal(subscriber.params, plan.cast(states[2]))
 
 
-class _DeafFeed:
-  """A feed that drops the first ``drop`` anchor requests (as a lost message would)."""
-
-  def __init__(self, feed, drop):
-    self.feed, self.drop = feed, drop
-
-  def __getattr__(self, name):
-    return getattr(self.feed, name)
-
-  def request_anchor(self):
-    if self.drop:
-      self.drop -= 1
-      return
-    self.feed.request_anchor()
+def _deaf(feed, drop):
+  """``feed`` as a rollout sees it when its first ``drop`` anchor requests are lost."""
+  view = RolloutFeed(feed)
+  view.drop = drop
+  return view
 
 
 def test_a_stalled_rollout_says_why_and_asks_again_within_its_bound(plan, states, tmp_path,
@@ -114,7 +106,7 @@ def test_a_stalled_rollout_says_why_and_asks_again_within_its_bound(plan, states
   feed = DirectoryFeed(tmp_path)
   publisher = Publisher(jsparse.Sender(plan, states[0]), feed, anchor_every=None)
   other = {k: v + 1 for k, v in plan.cast(states[0]).items()}  # not the trainer's version 0
-  subscriber = Subscriber(jsparse.Receiver(plan, other), _DeafFeed(feed, drop=1),
+  subscriber = Subscriber(jsparse.Receiver(plan, other), _deaf(feed, drop=1),
                           stall_versions=2, stall_seconds=3600)
   publisher.publish(states[1])
   with caplog.at_level(logging.WARNING, "jsparse"):
@@ -135,7 +127,7 @@ def test_a_stalled_rollout_asks_after_its_time_bound(plan, states, tmp_path):
   feed = DirectoryFeed(tmp_path)
   publisher = Publisher(jsparse.Sender(plan, states[0]), feed, anchor_every=None)
   other = {k: v + 1 for k, v in plan.cast(states[0]).items()}
-  subscriber = Subscriber(jsparse.Receiver(plan, other), _DeafFeed(feed, drop=1),
+  subscriber = Subscriber(jsparse.Receiver(plan, other), _deaf(feed, drop=1),
                           stall_versions=100, stall_seconds=0)
   publisher.publish(states[1])
   subscriber.poll()

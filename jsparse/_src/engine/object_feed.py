@@ -25,14 +25,15 @@ large parts, bounded retries with backoff (5xx, throttling, dropped connections)
 per-request timeouts, and credentials from each store's usual configuration (environment,
 instance metadata, or options passed through).
 
->>> feed = ObjectStoreFeed("memory://")
->>> entry = Entry(version=1, kind="anchor", base=0, parts=2)
->>> feed.put(entry, 0, b"first half")
->>> feed.entries(), feed.pending() == [entry]
-([], True)
->>> feed.put(entry, 1, b"second half")
->>> feed.entries() == [entry], [bytes(p) for p in feed.parts(entry)]
-(True, [b'first half', b'second half'])
+>>> feed = ObjectStoreFeed("memory://", grace_seconds=0)
+>>> run = feed.claim_run(bytes(16))
+>>> delta = Entry(version=1, kind="delta", base=0, parts=2)
+>>> feed.put(delta, 1, b"second")  # committed once the last of its parts is in
+>>> [feed.entries(), feed.pending() == [delta]]
+[[], True]
+>>> feed.put(delta, 0, b"first")
+>>> [bytes(p) for p in feed.parts(delta)], feed.remove(delta), feed.entries()
+([b'first', b'second'], None, [])
 """
 
 from __future__ import annotations
