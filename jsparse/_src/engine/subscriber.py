@@ -103,6 +103,7 @@ class Subscriber:
     self.stats = SubscriberStats()
     self._skipped: set[Entry] = set()
     self._needs_anchor = bool(start_with_anchor)
+    self._newest = -1  # the newest version of the feed's last listing (-1: not read)
     self._stall: tuple[float, int] | None = None  # since when, at which feed version: asked
     if start_with_anchor:
       self._request_anchor()
@@ -176,8 +177,7 @@ class Subscriber:
   def _check_stall(self) -> None:
     """Asks for an anchor, bounded by ``stall_versions`` and ``stall_seconds``, while the feed
     holds newer versions that this rollout cannot use (the poll applied all it could)."""
-    newest = agreed_int(self._on_process_0("listing the feed", lambda: max(
-        (e.version for e in self.feed.entries()), default=0), default=-1))
+    newest = agreed_int(self._newest)  # from the poll's last listing (process 0's)
     if newest < 0:  # unread: said in stats.stalled; asked again at the next poll
       return
     if newest <= self.version:
@@ -201,7 +201,11 @@ class Subscriber:
       self._stall = (now, newest)  # ask again after as many more versions or seconds
 
   def _next(self) -> Entry | None:
-    entries = [e for e in self.feed.entries() if e not in self._skipped]
+    """The entry to apply next (None: nothing now); notes the feed's newest version."""
+    self._newest = -1  # unread, unless the listing below succeeds
+    listed = self.feed.entries()
+    self._newest = max((e.version for e in listed), default=0)
+    entries = [e for e in listed if e not in self._skipped]
     if not self._needs_anchor:
       deltas = [e for e in entries if e.kind == "delta" and e.base == self.version]
       if deltas:

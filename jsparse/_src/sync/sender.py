@@ -123,9 +123,7 @@ class Sender:
     self.coding = coding_option(coding)
     self.plan = typed_argument("plan", plan, Plan, "a jsparse.Plan (from make_plan)")
     self.version = check_version(version)
-    flat = place_on_plan_layouts(plan, commit_leaves(plan.flatten(params, what="params")),
-                                 what="params")
-    self._snapshot, digest = programs.snapshot_and_digest(plan, flat)
+    self._snapshot, digest = programs.snapshot_and_digest(plan, _on_plan_layouts(plan, params))
     self._bits = digest_bytes(digest)  # of the snapshot's bit patterns
     self._needs_anchor = False  # set when a payload failed after the snapshot moved on
     self._snapshot_lost = False  # a failed diff consumed the snapshot (donated)
@@ -401,8 +399,8 @@ class Sender:
     if version <= self.version:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}")
     if self._snapshot_lost:  # a failed diff consumed it: start again from these params
-      self._snapshot = programs.snapshot_and_digest(self.plan, place_on_plan_layouts(
-          self.plan, commit_leaves(self.plan.flatten(params, what="params")), what="params"))[0]
+      self._snapshot = programs.snapshot_and_digest(self.plan,
+                                                    _on_plan_layouts(self.plan, params))[0]
       self._snapshot_lost, self._needs_anchor = False, True
     # A multi-process trainer sends an anchor if any process must (its encode failed): all
     # parts of a version are of one kind.
@@ -436,6 +434,13 @@ class Sender:
       raise
     self._needs_anchor = False
     return head, records
+
+
+def _on_plan_layouts(plan: Plan, params: PyTree) -> list:
+  """``params``' leaves, committed to devices and laid out as the plan's (a snapshot's
+  source)."""
+  return place_on_plan_layouts(plan, commit_leaves(plan.flatten(params, what="params")),
+                               what="params")
 
 
 class _HostChanges:
