@@ -2,6 +2,8 @@
 # jsparse's two entry points; each sets up everything it needs on a fresh machine.
 #   bash run.sh demo [--help | demo options]   the main job: train a small Flax model, sync it
 #   bash run.sh test [pytest options]          the test suite
+# `demo` installs jsparse with the demo's extra only (flax, optax, matplotlib, tqdm); `test`
+# installs the test extra (everything, the demo's extra included) into the same venv.
 # The virtual environment lives in .venv (override with JSPARSE_VENV); the interpreter is the
 # first of $JSPARSE_PYTHON, python3.13, python3.12, python3, pyenv's 3.12/3.13 that really runs
 # and is >= 3.12 (jax 0.12 needs it; an older Python silently gets an older jax).
@@ -29,28 +31,33 @@ find_python() {
 }
 
 setup() {
+  local extra="$1"
   if [ ! -x "$venv/bin/python" ] || ! runs_312 "$venv/bin/python"; then
     local py; py=$(find_python)
     echo "setting up $venv with $py" >&2
     rm -rf "$venv"
     "$py" -m venv "$venv"
   fi
-  local stamp="$venv/.jsparse-installed" want
-  want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
-  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "installing jsparse and its dependencies into $venv (log: $venv/install.log)" >&2
-    if ! { "$venv/bin/python" -m pip install --upgrade pip &&
-           "$venv/bin/python" -m pip install -e ".[test]"; } >"$venv/install.log" 2>&1; then
-      tail -n 30 "$venv/install.log" >&2
-      exit 1
-    fi
-    echo "$want" > "$stamp"
+  # The stamp holds the extra installed and a hash of pyproject.toml. The test extra contains
+  # the demo's, so a venv set up for test serves the demo too.
+  local stamp="$venv/.jsparse-installed" hash have=""
+  hash=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  [ -f "$stamp" ] && have=$(cat "$stamp")
+  if [ "$have" = "$extra $hash" ] || { [ "$extra" = demo ] && [ "$have" = "test $hash" ]; }; then
+    return 0
   fi
+  echo "installing jsparse[$extra] and its dependencies into $venv (log: $venv/install.log)" >&2
+  if ! { "$venv/bin/python" -m pip install --upgrade pip &&
+         "$venv/bin/python" -m pip install -e ".[$extra]"; } >"$venv/install.log" 2>&1; then
+    tail -n 30 "$venv/install.log" >&2
+    exit 1
+  fi
+  echo "$extra $hash" > "$stamp"
 }
 
 cmd="${1:-}"; shift || true
 case "$cmd" in
-  demo) setup; exec "$venv/bin/python" -m jsparse.examples.demo "$@" ;;
-  test) setup; exec "$venv/bin/python" -m pytest "$@" ;;
+  demo) setup demo; exec "$venv/bin/python" -m jsparse.examples.demo "$@" ;;
+  test) setup test; exec "$venv/bin/python" -m pytest "$@" ;;
   *) echo "usage: bash run.sh demo|test [options]" >&2; exit 2 ;;
 esac
