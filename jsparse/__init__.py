@@ -17,9 +17,10 @@ from typing import Any
 from jsparse._src.core.delta import Delta, apply, diff
 from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.plan import LeafSpec, Plan, Segment, make_plan
-from jsparse._src.errors import (ArgumentError, CheckpointError, ConfigError, IntegrityError,
-                                 JsparseError, PayloadError, PlanError, PlanMismatchError,
-                                 VersionError)
+from jsparse import errors
+from jsparse.errors import (ArgumentError, CheckpointError, ConfigError, IntegrityError,
+                            JsparseError, PayloadError, PlanError, PlanMismatchError,
+                            VersionError)
 from jsparse._src.sync.receiver import ReceiveStream, Receiver
 from jsparse._src.sync.sender import SendStats, Sender
 from jsparse._src.sync.state import SyncState, abstract_sync_state
@@ -43,5 +44,5 @@ __all__ = [
     "IntegrityError", "JsparseError", "LeafSpec", "PartStream", "PayloadError", "Plan",
     "PlanError", "PlanMismatchError", "ReceiveStream", "Receiver", "SaveInfo", "Segment",
     "SendStats", "Sender", "SyncState",
-    "VersionError", "abstract_sync_state", "apply", "bits_digest", "diff", "make_plan",
+    "VersionError", "abstract_sync_state", "apply", "bits_digest", "diff", "errors", "make_plan",
 ]

@@ -10,7 +10,7 @@ naming it (never a ``KeyError``, a loop over a cyclic chain, or a wrong restore)
 >>> check(dict(meta, step=4), 3, plan)
 Traceback (most recent call last):
 ...
-jsparse._src.errors.CheckpointError: step 3: metadata corrupted (checksum mismatch)
+jsparse.errors.CheckpointError: step 3: metadata corrupted (checksum mismatch)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 >>> int_option("anchor_every", True, minimum=1)
 Traceback (most recent call last):
 ...
-jsparse._src.errors.ConfigError: anchor_every must be an int >= 1, got True
+jsparse.errors.ConfigError: anchor_every must be an int >= 1, got True
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def typed_argument(name: str, value: Any, kind: type | tuple[type, ...], expecte
   >>> typed_argument("plan", "p", int, "a jsparse.Plan (from make_plan)")
   Traceback (most recent call last):
   ...
-  jsparse._src.errors.ArgumentError: jsparse: plan must be a jsparse.Plan (from make_plan), got str
+  jsparse.errors.ArgumentError: jsparse: plan must be a jsparse.Plan (from make_plan), got str
   """
   if not isinstance(value, kind):
     raise ArgumentError(f"jsparse: {name} must be {expected}, got {type(value).__name__}")

@@ -7,7 +7,7 @@
 >>> r.take(1, "segment 0 record")
 Traceback (most recent call last):
 ...
-jsparse._src.errors.PayloadError: payload truncated while reading segment 0 record
+jsparse.errors.PayloadError: payload truncated while reading segment 0 record
 """
 
 from __future__ import annotations
