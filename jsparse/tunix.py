@@ -49,8 +49,8 @@ def sync_filter(model: Any) -> tuple:
   return (nnx.LoRAParam if is_lora_enabled(model) else nnx.Param,)
 
 
-def tunix_plan(trainer_state: PyTree, rollout_state: PyTree, *, capacity: float | int = 0.05,
-               pooled_capacity: float | int = 1.0) -> Plan:
+def tunix_plan(trainer_state: PyTree, rollout_state: PyTree, *, capacity: float = 0.05,
+               pooled_capacity: float = 1.0) -> Plan:
   """The plan for syncing ``trainer_state`` into ``rollout_state``: each leaf goes to the dtype
   the rollout holds it in. Both may be abstract (``jax.ShapeDtypeStruct``, e.g. from
   ``nnx.eval_shape``), so a rollout job builds the same plan as the trainer without its arrays.
@@ -79,7 +79,7 @@ def tunix_plan(trainer_state: PyTree, rollout_state: PyTree, *, capacity: float 
 
 
 def use_sparse_sync(rl_cluster: Any, *, feed: Feed | None = None, coding: str = "ranked",
-                    capacity: float | int = 0.05, donate: bool = True,
+                    capacity: float = 0.05, donate: bool = True,
                     chunk_bytes: int = 64 << 20) -> SparseRollout:
   """Makes ``rl_cluster``'s weight syncs sparse; returns the :class:`SparseRollout` now in it.
 

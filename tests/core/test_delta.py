@@ -118,10 +118,11 @@ def test_overflow_is_flagged_with_the_true_count_and_first_positions():
 
 @settings(max_examples=25)
 @given(strategies.trees_and_updates(),
-       st.sampled_from([1.0, 0.5, 0.05, 3]), st.sampled_from([1, 64, 4096]))
+       st.sampled_from([{"capacity": c} for c in (1.0, 0.5, 0.05)] + [{"capacity_slots": 3}]),
+       st.sampled_from([1, 64, 4096]))
 def test_random_trees_roundtrip_exactly_unless_flagged(pair, capacity, bucket_size):
   base, new = pair
-  plan = jsparse.make_plan(base, capacity=capacity, bucket_size=bucket_size)
+  plan = jsparse.make_plan(base, bucket_size=bucket_size, **capacity)
   delta, out = _roundtrip(plan, base, new)
   expected_counts = []
   for seg in plan.segments:

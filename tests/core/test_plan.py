@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -41,17 +42,47 @@ def test_float_leaves_the_trainer_does_not_split_are_ordered_whatever_the_rollou
     jsparse.make_plan(tree, rollout_shardings={})
 
 
-@pytest.mark.parametrize("capacity, expected", [(0.5, 50), (1.0, 100), (7, 7), (10**6, 100),
-                                                (1e-9, 1)])
-def test_capacity_fraction_or_count(capacity, expected):
-  plan = jsparse.make_plan({"w": jnp.zeros(100)}, capacity=capacity, bucket_size=10)
+@pytest.mark.parametrize("options, expected", [
+    ({"capacity": 0.5}, 50), ({"capacity": 1.0}, 100), ({"capacity": 1e-9}, 1), ({}, 5),
+    ({"capacity_slots": 7}, 7), ({"capacity_slots": np.int64(1)}, 1),
+    ({"capacity_slots": 10**6}, 100)])
+def test_capacity_fraction_or_count(options, expected):
+  plan = jsparse.make_plan({"w": jnp.zeros(100)}, bucket_size=10, **options)
   assert plan.segments[0].capacity == expected
 
 
-@pytest.mark.parametrize("capacity", [0, -1, 0.0, 1.5, -0.1, "0.1", True, None])
+@pytest.mark.parametrize("capacity", [0.0, 1.5, -0.1, "0.1", True, float("nan")])
 def test_capacity_out_of_range_is_refused(capacity):
   with pytest.raises(jsparse.ConfigError, match="capacity"):
     jsparse.make_plan({"w": jnp.zeros(100)}, capacity=capacity)
+
+
+@pytest.mark.parametrize("name", ["capacity", "pooled_capacity"])
+@pytest.mark.parametrize("count", [1, 5, np.int32(5), 0, -1])
+def test_an_int_capacity_is_refused_and_points_to_slots(name, count):
+  """``capacity=1`` could mean one slot or every element: an int is never a fraction."""
+  with pytest.raises(jsparse.ConfigError) as caught:
+    jsparse.make_plan({"w": jnp.zeros(100)}, **{name: count})
+  message = str(caught.value)
+  assert f"{name}={int(count)}:" in message and f"{name}_slots={int(count)}" in message
+  assert "fraction" in message and f"{name}=1.0" in message
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"capacity_slots": 0}, "capacity_slots must be an int >= 1"),
+    ({"capacity_slots": 0.5}, "capacity_slots must be an int >= 1"),
+    ({"pooled_capacity_slots": True}, "pooled_capacity_slots must be an int >= 1"),
+    ({"capacity": 0.1, "capacity_slots": 5}, "not both"),
+    ({"pooled_capacity": 0.1, "pooled_capacity_slots": 5}, "not both")])
+def test_bad_slot_counts_are_refused(options, words):
+  with pytest.raises(jsparse.ConfigError, match=words):
+    jsparse.make_plan({"w": jnp.zeros(100)}, **options)
+
+
+def test_pooled_capacity_slots_apply_to_pools_only():
+  tree = {"w": jnp.zeros(1000), "b": jnp.zeros(10), "c": jnp.zeros(10)}
+  plan = jsparse.make_plan(tree, bucket_size=100, capacity_slots=30, pooled_capacity_slots=4)
+  assert sorted((s.size, s.capacity) for s in plan.segments) == [(20, 4), (1000, 30)]
 
 
 def test_rollout_dtype_applies_to_floats_only_or_per_leaf():
@@ -107,7 +138,6 @@ def test_sub_byte_dtypes_are_refused_at_make_plan(dtype):
 
 
 def test_numpy_scalars_are_valid_options_and_bucket_size_is_capped():
-  import numpy as np
   plan = jsparse.make_plan({"x": jnp.zeros(70000)}, capacity=np.float16(0.5),
                            bucket_size=np.int64(64))
   assert plan.segments[0].capacity == 35000

@@ -59,7 +59,7 @@ class Delta(NamedTuple):
       (``Sender`` does that).
 
   >>> import jax.numpy as jnp, jsparse
-  >>> plan = jsparse.make_plan({'w': jnp.zeros(6)}, capacity=2)
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(6)}, capacity_slots=2)
   >>> delta = jsparse.diff(plan, {'w': jnp.zeros(6)}, {'w': jnp.zeros(6).at[4].set(1.0)})
   >>> delta.indices[0].tolist(), delta.values[0].tolist(), delta.counts.tolist()
   ([4, 6, 6, 6, 6, 6], [1065353216, 0, 0, 0, 0, 0], [1])
@@ -148,7 +148,8 @@ def diff(plan: Plan, base: PyTree, new: PyTree) -> Delta:
 
   >>> import jax.numpy as jnp, jsparse
   >>> old = {'w': jnp.zeros(1000)}
-  >>> plan = jsparse.make_plan(old, rollout_dtype=jnp.bfloat16, capacity=10, bucket_size=1000)
+  >>> plan = jsparse.make_plan(old, rollout_dtype=jnp.bfloat16, capacity_slots=10,
+  ...                          bucket_size=1000)
   >>> delta = jsparse.diff(plan, old, {'w': old['w'].at[::50].set(1.0)})
   >>> delta.counts.tolist(), delta.overflow.tolist(), delta.indices[0][:3].tolist()
   ([20], [True], [0, 50, 100])

@@ -275,22 +275,58 @@ def _resolve_rollout_dtype(rollout_dtype: RolloutDtype, path: str,
                       f"(path, ShapeDtypeStruct) -> dtype, got {rollout_dtype!r}") from None
 
 
-def _capacity(capacity: float | int, size: int, name: str) -> int:
-  if isinstance(capacity, (bool, np.bool_)) or not isinstance(
-      capacity, (int, float, np.integer, np.floating)):
-    raise ConfigError(f"{name} must be a fraction in (0, 1] or a positive count, got {capacity!r}")
-  if isinstance(capacity, (int, np.integer)):
-    if capacity < 1:
-      raise ConfigError(f"{name} as a count must be >= 1, got {capacity}")
-    return min(size, int(capacity))
-  capacity = float(capacity)  # a float16 fraction times a large size would overflow
-  if not 0.0 < capacity <= 1.0:
-    raise ConfigError(f"{name} as a fraction must be in (0, 1], got {capacity}")
-  return min(size, max(1, math.ceil(capacity * size)))
+DEFAULT_CAPACITY = 0.05
+DEFAULT_POOLED_CAPACITY = 1.0
 
 
-def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: float | int = 0.05,
-              pooled_capacity: float | int = 1.0, bucket_size: int = 2**16) -> Plan:
+@dataclasses.dataclass(frozen=True)
+class _Capacity:
+  """How many slots a segment (or block) of ``size`` elements gets: a ``fraction`` of its
+  elements, or a count of ``slots``; never more than it has elements, never fewer than 1."""
+  fraction: float | None = None
+  slots: int | None = None
+
+  def of(self, size: int) -> int:
+    if self.slots is not None:
+      return min(size, self.slots)
+    return min(size, max(1, math.ceil(self.fraction * size)))
+
+
+def _capacity(name: str, fraction: Any, slots: Any, default: float) -> _Capacity:
+  """The capacity rule of option ``name`` (a fraction) or ``name_slots`` (a count).
+
+  >>> _capacity("capacity", None, 5, 0.05), _capacity("capacity", 0.5, None, 0.05).of(9)
+  (_Capacity(fraction=None, slots=5), 5)
+  >>> _capacity("capacity", 5, None, 0.05)  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  jsparse.errors.ConfigError: capacity=5: capacity is a fraction ... write capacity_slots=5
+  """
+  if slots is not None:
+    if fraction is not None:
+      raise ConfigError(f"give {name} (a fraction of the elements) or {name}_slots (a number "
+                        f"of slots), not both: got {name}={fraction!r}, {name}_slots={slots!r}")
+    return _Capacity(slots=int_option(f"{name}_slots", slots, minimum=1))
+  if fraction is None:
+    fraction = default
+  if isinstance(fraction, (int, np.integer)) and not isinstance(fraction, (bool, np.bool_)):
+    raise ConfigError(
+        f"{name}={int(fraction)}: {name} is a fraction of each segment's elements in (0, 1] "
+        f"(e.g. {name}=0.05; {name}=1.0: every element); for a number of slots write "
+        f"{name}_slots={int(fraction)}")
+  if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, (float, np.floating)):
+    raise ConfigError(f"{name} must be a fraction in (0, 1] (or give {name}_slots, a number "
+                      f"of slots), got {fraction!r}")
+  fraction = float(fraction)  # a float16 fraction times a large size would overflow
+  if not 0.0 < fraction <= 1.0:
+    raise ConfigError(f"{name} is a fraction of each segment's elements and must be in (0, 1], "
+                      f"got {fraction} (for a number of slots give {name}_slots)")
+  return _Capacity(fraction=fraction)
+
+
+def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: float | None = None,
+              capacity_slots: int | None = None, pooled_capacity: float | None = None,
+              pooled_capacity_slots: int | None = None, bucket_size: int = 2**16) -> Plan:
   """Builds the static plan that ``diff``, ``apply``, ``Sender`` and ``Receiver`` share.
 
   Args:
@@ -299,11 +335,15 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
     rollout_dtype: the dtype the rollout holds. ``None`` keeps every leaf's dtype; a dtype (e.g.
       ``jnp.bfloat16``) applies to floating leaves (integer and bool leaves keep theirs); a callable
       ``(path, ShapeDtypeStruct) -> dtype | None`` chooses per leaf.
-    capacity: static slots per unpooled segment (one large leaf), as a fraction of its elements
-      in (0, 1] or as a count. Updates denser than this overflow and are carried densely.
-    pooled_capacity: the same for segments that pool small leaves. Small leaves (biases, norms)
-      change far more often than large matrices, and a pool is small, so the default carries every
-      element.
+    capacity: static slots per unpooled segment (one large leaf; for a leaf split over a mesh,
+      per block), as a fraction of its elements in (0, 1] (default 0.05). An ``int`` here is
+      refused: a count is ``capacity_slots``. Updates denser than this overflow and are carried
+      densely.
+    capacity_slots: instead of ``capacity``, the number of slots per unpooled segment (or
+      block), an ``int >= 1`` (a segment never gets more slots than it has elements).
+    pooled_capacity, pooled_capacity_slots: the same for segments that pool small leaves
+      (default ``pooled_capacity=1.0``). Small leaves (biases, norms) change far more often than
+      large matrices, and a pool is small, so the default carries every element.
     bucket_size: leaves smaller than this are pooled into shared segments of at most this size
       (and at most 32 leaves).
 
@@ -313,14 +353,21 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
   Raises:
     PlanError: for an unsupported dtype, a typed PRNG key or a leaf over 2**31 - 1 elements
       (named).
-    ConfigError: for a bad ``capacity``, ``pooled_capacity`` or ``bucket_size``.
+    ConfigError: for a bad ``capacity``, ``pooled_capacity``, their ``_slots`` or
+      ``bucket_size``, an ``int`` fraction, or both forms of one option.
 
   >>> import jax.numpy as jnp, jsparse
   >>> params = {'w': jnp.zeros((512, 512)), 'b': jnp.zeros(512), 'scale': jnp.ones(512)}
   >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.02)
   >>> [(len(s.leaf_ids), s.size, s.capacity) for s in plan.segments]  # biases share a pool
   [(1, 262144, 5243), (2, 1024, 1024)]
+  >>> plan = jsparse.make_plan(params, capacity_slots=1000, pooled_capacity_slots=64)
+  >>> [s.capacity for s in plan.segments]
+  [1000, 64]
   """
+  capacity = _capacity("capacity", capacity, capacity_slots, DEFAULT_CAPACITY)
+  pooled_capacity = _capacity("pooled_capacity", pooled_capacity, pooled_capacity_slots,
+                              DEFAULT_POOLED_CAPACITY)
   bucket_size = int_option("bucket_size", bucket_size, minimum=1)
   if bucket_size > MAX_SEGMENT_ELEMENTS:
     raise ConfigError(f"bucket_size must be at most {MAX_SEGMENT_ELEMENTS} (int32 indices), got "
@@ -351,10 +398,8 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
               _segments(leaves, capacity, pooled_capacity, bucket_size), bucket_size)
 
 
-def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity: float | int,
+def _segments(leaves: Sequence[LeafSpec], capacity: _Capacity, pooled_capacity: _Capacity,
               bucket_size: int) -> tuple[Segment, ...]:
-  _capacity(capacity, 1, "capacity")  # validate even when no leaf uses it
-  _capacity(pooled_capacity, 1, "pooled_capacity")
   segments: list[Segment] = []
 
   def close(pool: list[int], dtype: np.dtype) -> None:
@@ -362,8 +407,7 @@ def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity
     size = sum(leaves[i].size for i in pool)
     cap = capacity if len(pool) == 1 and size >= bucket_size else pooled_capacity
     ordered = bits_lib.is_float(dtype)
-    segments.append(Segment(tuple(pool), offsets, size, _capacity(cap, size, "capacity"), dtype,
-                            ordered=ordered))
+    segments.append(Segment(tuple(pool), offsets, size, cap.of(size), dtype, ordered=ordered))
 
   # Small leaves of one shape fill pools of their own (alike pools share compiled programs,
   # see chunks.py); what is left of each shape is pooled by dtype in tree order.
@@ -374,7 +418,7 @@ def _segments(leaves: Sequence[LeafSpec], capacity: float | int, pooled_capacity
     dtype = leaf.rollout_dtype
     if leaf.layout is not None:  # sharded: never pooled, a capacity per block
       blocks = leaf.layout.blocks
-      per_block = _capacity(capacity, leaf.size // blocks, "capacity")
+      per_block = capacity.of(leaf.size // blocks)
       segments.append(Segment((leaf_id,), (0,), leaf.size, per_block * blocks, dtype, blocks))
       continue
     if leaf.size >= bucket_size:
