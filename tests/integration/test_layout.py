@@ -1,5 +1,5 @@
-"""The package as documented: the README's Layout names every module (and nothing gone), every
-public name has a runnable example, and `import jsparse` stays light."""
+"""The package as documented: CONTRIBUTING.md's Code layout names every module (and nothing
+gone), every public name has a runnable example, and `import jsparse` stays light."""
 
 import re
 from pathlib import Path
@@ -15,14 +15,15 @@ def _modules() -> set[str]:
 
 
 def _listed() -> set[str]:
-  layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1]
+  layout = (ROOT / "CONTRIBUTING.md").read_text().split("## Code layout", 1)[1]
   return set(re.findall(r"^(jsparse/\S+\.py)", layout, re.M))
 
 
 def test_layout_lists_every_module_and_only_existing_ones():
   modules, listed = _modules(), _listed()
-  assert not modules - listed, f"modules missing from README's Layout: {sorted(modules - listed)}"
-  assert not listed - modules, f"README's Layout lists modules that are gone: " \
+  assert not modules - listed, \
+      f"modules missing from CONTRIBUTING.md's Code layout: {sorted(modules - listed)}"
+  assert not listed - modules, f"CONTRIBUTING.md's Code layout lists modules that are gone: " \
       f"{sorted(listed - modules)}"
 
 
