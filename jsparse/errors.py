@@ -21,14 +21,14 @@ jsparse.errors.VersionError: a message
 from jsparse._src.chain_meta import ForeignPlanError
 from jsparse._src.engine.feed import PartsLostError
 from jsparse._src.errors import (ArgumentError, CheckpointError, ConfigError, IntegrityError,
-                                 JsparseError, PayloadError, PlanError, PlanMismatchError,
-                                 VersionError)
+                                 JsparseError, OverflowedDeltaError, PayloadError, PlanError,
+                                 PlanMismatchError, VersionError)
 from jsparse._src.tunix.compat import TunixVersionError
 
 __all__ = [
     "ArgumentError", "CheckpointError", "ConfigError", "ForeignPlanError", "IntegrityError",
-    "JsparseError", "PartsLostError", "PayloadError", "PlanError", "PlanMismatchError",
-    "TunixVersionError", "VersionError",
+    "JsparseError", "OverflowedDeltaError", "PartsLostError", "PayloadError", "PlanError",
+    "PlanMismatchError", "TunixVersionError", "VersionError",
 ]
 
 for _name in __all__:  # tracebacks and reprs name the public module, not where each is defined

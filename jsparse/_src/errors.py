@@ -31,6 +31,11 @@ class PlanMismatchError(JsparseError, ValueError):
   """A tree, delta or payload does not match the plan (structure, leaf shape or dtype)."""
 
 
+class OverflowedDeltaError(JsparseError, ValueError):
+  """A pure :func:`~jsparse.apply` was given a :class:`~jsparse.Delta` with overflowed segments:
+  it holds only their first ``capacity`` changes, so the result would not be exact."""
+
+
 class PayloadError(JsparseError, ValueError):
   """Bytes cannot be decoded: not a jsparse payload, corrupted, truncated or for another plan."""
 

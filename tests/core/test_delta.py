@@ -123,7 +123,8 @@ def test_overflow_is_flagged_with_the_true_count_and_first_positions():
 def test_random_trees_roundtrip_exactly_unless_flagged(pair, capacity, bucket_size):
   base, new = pair
   plan = jsparse.make_plan(base, bucket_size=bucket_size, **capacity)
-  delta, out = _roundtrip(plan, base, new)
+  delta = jsparse.diff(plan, base, new)
+  out, exact = jsparse.apply(plan, plan.cast(base), delta, return_exact=True)
   expected_counts = []
   for seg in plan.segments:
     old = np.concatenate([_bits(base[plan.leaves[i].path[2:-2]]).reshape(-1)
@@ -134,8 +135,12 @@ def test_random_trees_roundtrip_exactly_unless_flagged(pair, capacity, bucket_si
   assert delta.counts.tolist() == expected_counts
   caps = [s.capacity for s in plan.segments]
   assert delta.overflow.tolist() == [c > k for c, k in zip(expected_counts, caps)]
-  if not bool(np.any(delta.overflow)):
+  assert bool(exact) == (not any(delta.overflow.tolist()))
+  if bool(exact):
     assert_trees_bitwise_equal(out, new)
+  else:  # never silently inexact
+    with pytest.raises(jsparse.errors.OverflowedDeltaError):
+      jsparse.apply(plan, plan.cast(base), delta)
 
 
 def test_structure_shape_and_dtype_errors_name_the_leaf():
@@ -190,11 +195,18 @@ def test_diff_and_apply_inside_the_callers_jit():
 
   @jax.jit
   def sync(rollout, new):
-    return jsparse.apply(plan, rollout, jsparse.diff(plan, rollout, new))
+    return jsparse.apply(plan, rollout, jsparse.diff(plan, rollout, new), return_exact=True)
 
-  assert_trees_bitwise_equal(sync(base, new), new)
+  out, exact = sync(base, new)
+  assert bool(exact)
+  assert_trees_bitwise_equal(out, new)
   delta = jsparse.diff(plan, base, new)
-  assert_trees_bitwise_equal(jax.jit(lambda r, d: jsparse.apply(plan, r, d))(base, delta), new)
+  out, exact = jax.jit(lambda r, d: jsparse.apply(plan, r, d, return_exact=True))(base, delta)
+  assert bool(exact)
+  assert_trees_bitwise_equal(out, new)
+  assert_trees_bitwise_equal(jax.jit(lambda r: jsparse.apply(plan, r, delta))(base), new)
+  with pytest.raises(jsparse.ConfigError, match="return_exact=True"):  # flags unknown in a trace
+    jax.jit(lambda r, d: jsparse.apply(plan, r, d))(base, delta)
 
 
 def test_diff_and_apply_on_local_blocks_inside_the_callers_shard_map():
@@ -206,7 +218,9 @@ def test_diff_and_apply_on_local_blocks_inside_the_callers_shard_map():
 
   def local(old, new):  # a plan of the local block, made inside
     plan = jsparse.make_plan({"w": jax.ShapeDtypeStruct(old.shape, old.dtype)})
-    return jsparse.apply(plan, {"w": old}, jsparse.diff(plan, {"w": old}, {"w": new}))["w"]
+    out, exact = jsparse.apply(plan, {"w": old}, jsparse.diff(plan, {"w": old}, {"w": new}),
+                               return_exact=True)
+    return jnp.where(exact, out["w"], jnp.nan)
 
   out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("fsdp"),) * 2,
                               out_specs=P("fsdp")))(base, new)
@@ -226,6 +240,66 @@ def test_diff_apply_and_sync_under_any_context_mesh():
       assert_trees_bitwise_equal(out, plan.cast(new))
       sender, receiver = jsparse.Sender(plan, params), jsparse.Receiver(plan, plan.cast(params))
       assert_trees_bitwise_equal(receiver.receive(sender.send(new)), plan.cast(new))
+
+
+# --- overflow is never silent ---------------------------------------------------------------------
+
+def test_apply_of_an_overflowed_delta_raises_naming_the_segment_and_the_capacity_that_fits():
+  base = {"w": jnp.zeros(1000), "b": jnp.zeros(10)}
+  new = {"w": jnp.ones(1000).at[::2].set(0.0), "b": jnp.ones(10)}  # 500 changes in w
+  plan = jsparse.make_plan(base, capacity_slots=100, bucket_size=100)
+  rollout = plan.cast(base)
+  delta = jsparse.diff(plan, base, new)
+  with pytest.raises(jsparse.errors.OverflowedDeltaError) as caught:
+    jsparse.apply(plan, rollout, delta, donate=True)
+  message = str(caught.value)
+  w = next(s for s, seg in enumerate(plan.segments) if seg.size == 1000)
+  assert f"segment {w} (leaves [\"['w']\"])" in message and "500 changes for 100 slots" in message
+  assert "capacity=0.5 or capacity_slots=500" in message and "Sender and Receiver" in message
+  assert "return_exact=True" in message
+  assert not rollout["w"].is_deleted()  # refused before anything was donated
+  fits = jsparse.make_plan(base, capacity=0.5, bucket_size=100)  # what the message proposes
+  assert_trees_bitwise_equal(jsparse.apply(fits, rollout, jsparse.diff(fits, base, new)),
+                             fits.cast(new))
+  out, exact = jsparse.apply(plan, rollout, delta, return_exact=True)
+  assert not bool(exact) and out["w"].shape == (1000,)
+
+
+def test_overflow_of_a_leaf_split_into_blocks_names_its_blocks():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  base = {"w": jax.device_put(jnp.zeros((64, 8)), NamedSharding(mesh, P("fsdp")))}
+  plan = jsparse.make_plan(base, capacity_slots=2)
+  with pytest.raises(jsparse.errors.OverflowedDeltaError, match="512 changes for 8 blocks of 2 "
+                     "slots.*capacity=1.0 or capacity_slots=512"):
+    jsparse.apply(plan, plan.cast(base), jsparse.diff(plan, base, {"w": base["w"] + 1}))
+
+
+def test_plan_and_delta_reprs_are_short_and_say_what_matters():
+  from flax import nnx
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.List([nnx.Linear(256, 256, rngs=rngs) for _ in range(4)])
+      self.norm = nnx.LayerNorm(256, rngs=rngs)
+
+  params = nnx.state(MLP(nnx.Rngs(0)), nnx.Param)
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity_slots=100)
+  text = repr(plan)
+  assert len(text) < 200, text
+  assert text.startswith("Plan(10 leaves, 264K elements, 5 segments, capacity ") and "bf16" in text
+  assert plan.fingerprint.hex()[:8] in text
+  new = jax.tree.map(lambda x: x + 1, params)
+  delta = jsparse.diff(plan, params, new)
+  text = repr(delta)
+  assert len(text) < 200, text
+  assert text.startswith("Delta(changed 264K in 5 segments of ")
+  assert "overflowed: segments 0, 1, 2, 3" in text
+  quiet = jsparse.diff(plan, params, params)
+  assert repr(quiet).endswith("overflowed: none)") and "changed 0 in" in repr(quiet)
+  seen = []
+  jax.jit(lambda a, b: seen.append(repr(jsparse.diff(plan, a, b))))(params, new)
+  assert seen[0].endswith("not concrete)") and len(seen[0]) < 200
 
 
 # --- clear errors --------------------------------------------------------------------------------

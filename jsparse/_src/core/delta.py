@@ -20,6 +20,7 @@ shapes depend on the plan only.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -31,9 +32,9 @@ from jsparse._src.core.blocks import apply_blocks, diff_blocks
 from jsparse._src.core.layout import Layout, mesh_neutral
 from jsparse._src.core.placement import (commit_leaves, distinct_buffers, is_traced, layouts_of,
                                          place_on_plan_layouts, replicated_on)
-from jsparse._src.core.plan import LeafSpec, Plan, Segment
+from jsparse._src.core.plan import LeafSpec, Plan, Segment, count_text
 from jsparse._src.core.select import changed_elements
-from jsparse._src.errors import PlanMismatchError
+from jsparse._src.errors import ConfigError, OverflowedDeltaError, PlanMismatchError
 from jsparse._src.options import typed_argument
 from jsparse._src.pytree import PyTree
 
@@ -69,6 +70,28 @@ class Delta(NamedTuple):
   values: tuple[jax.Array, ...]
   counts: jax.Array
   overflow: jax.Array
+
+  def __repr__(self) -> str:
+    """One line: changes, slots and overflowed segments. It reads ``counts`` and ``overflow``
+    (a few bytes, once the diff that makes them is done); traced or deleted arrays are not read.
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> plan = jsparse.make_plan({'w': jnp.zeros(100)}, capacity_slots=3, bucket_size=100)
+    >>> jsparse.diff(plan, {'w': jnp.zeros(100)}, {'w': jnp.ones(100)})
+    Delta(changed 100 in 1 segment of 3 slots; overflowed: segment 0)
+    """
+    slots = count_text(sum(int(np.prod(np.shape(i))) for i in self.indices))
+    segments = f"{len(self.indices)} segment{'s' if len(self.indices) != 1 else ''}"
+    try:
+      counts, overflow = np.asarray(self.counts), np.asarray(self.overflow, bool)
+    except Exception:  # noqa: BLE001 - traced (inside jit) or deleted arrays: shapes only
+      return f"Delta({segments} of {slots} slots; not concrete)"
+    flagged = np.flatnonzero(overflow).tolist()
+    said = "none" if not flagged else \
+        f"segment{'s' if len(flagged) > 1 else ''} {', '.join(map(str, flagged[:5]))}" + \
+        (f" and {len(flagged) - 5} more" if len(flagged) > 5 else "")
+    return (f"Delta(changed {count_text(int(counts.sum(dtype=np.int64)))} in {segments} of "
+            f"{slots} slots; overflowed: {said})")
 
 
 def _cast_bits(leaf: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -238,42 +261,104 @@ def apply_program(donate: bool) -> Callable:
 
 
 @mesh_neutral
-def apply(plan: Plan, base: PyTree, delta: Delta, *, donate: bool = False) -> PyTree:
+def apply(plan: Plan, base: PyTree, delta: Delta, *, donate: bool = False,
+          return_exact: bool = False) -> PyTree | tuple[PyTree, jax.Array]:
   """Writes the changes of ``delta`` into ``base`` (a tree in rollout dtypes).
 
   Jitted with the plan static. Leaves of ``base`` that are split into blocks over a mesh
   (``NamedSharding``) are updated block by block: each device keeps the changes inside its own
   block, so no device gathers a full leaf, and each result keeps its sharding.
 
+  A delta holds at most its capacity of changes per segment: where ``delta.overflow`` is set,
+  some changes are missing (``Sender`` and ``Receiver`` carry those segments densely; the pure
+  functions cannot). So ``apply`` is never silently inexact: by default it reads
+  ``delta.overflow`` (``bool[segments]``, a few bytes, once the diff is done) and raises
+  :class:`~jsparse.errors.OverflowedDeltaError` if any is set. With ``return_exact=True`` it
+  reads nothing and returns ``(tree, exact)``, ``exact`` a device bool that is true when the
+  tree is exact: the form for a caller's ``jit`` or ``shard_map``, where the flags cannot be
+  read (there the default raises :class:`~jsparse.ConfigError` at trace time, asking for it).
+
   Args:
     plan: from :func:`make_plan`.
     base: the rollout tree the delta applies to.
     delta: from :func:`diff`.
     donate: update ``base`` in place (its buffers are dead after the call).
+    return_exact: return ``(tree, exact)`` instead of checking the overflow flags.
 
   Returns:
-    The updated tree, in rollout dtypes, with the structure of the plan.
+    The updated tree, in rollout dtypes, with the structure of the plan; with ``return_exact``,
+    ``(tree, exact)``.
 
   Raises:
+    OverflowedDeltaError: ``delta`` overflowed (the segments, changes and slots are named, and
+      the capacity that would have held them).
     PlanMismatchError: ``base`` is not in the plan's rollout dtypes and shapes, or ``delta``
       has other shapes than the plan fixes (the leaf or segment is named).
 
-  >>> import jax.numpy as jnp, jsparse
+  >>> import jax, jax.numpy as jnp, jsparse
   >>> old = {'w': jnp.zeros(4)}
   >>> plan = jsparse.make_plan(old, rollout_dtype=jnp.bfloat16)
   >>> delta = jsparse.diff(plan, old, {'w': jnp.array([0.0, 2.0, 0.0, -0.0])})
   >>> jsparse.apply(plan, plan.cast(old), delta)['w'].tolist()
   [0.0, 2.0, 0.0, -0.0]
+
+  An update denser than the plan's capacity, applied inside the caller's ``jit``:
+
+  >>> small = jsparse.make_plan(old, pooled_capacity_slots=1)
+  >>> step = jax.jit(lambda r, new: jsparse.apply(small, r, jsparse.diff(small, r, new),
+  ...                                             return_exact=True))
+  >>> out, exact = step(old, {'w': jnp.ones(4)})
+  >>> bool(exact)  # some changes are missing from ``out``: resend the segment, or raise capacity
+  False
+  >>> jsparse.apply(small, old, jsparse.diff(small, old, {'w': jnp.ones(4)}))
+  ... # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  jsparse.errors.OverflowedDeltaError: delta overflowed in segment 0 (leaves ["['w']"]): 4 changes
+  for 1 slot, ... (pooled_capacity=1.0 or pooled_capacity_slots=4 would have held this one)...
   """
   typed_argument("plan", plan, Plan, "a jsparse.Plan (from make_plan)")
   flat = plan.flatten(base, what="base", rollout_only=True)
+  if not return_exact:
+    check_delta(plan, delta)
+    _check_overflow(plan, delta)
   if any(is_traced(x) for x in [*flat, *jax.tree.leaves(delta)]):  # inside the caller's jit
-    return _apply_tree(plan, layouts_of(plan, flat), base, delta)
-  flat = commit_leaves(distinct_buffers(flat) if donate else flat)
-  layouts = layouts_of(plan, flat)
-  delta = colocate(plan, delta, flat)
-  base = jax.tree.unflatten(plan.treedef, flat)
-  return apply_program(donate)(plan, layouts, base, delta)
+    out = _apply_tree(plan, layouts_of(plan, flat), base, delta)
+  else:
+    flat = commit_leaves(distinct_buffers(flat) if donate else flat)
+    layouts = layouts_of(plan, flat)
+    moved = colocate(plan, delta, flat)
+    out = apply_program(donate)(plan, layouts, jax.tree.unflatten(plan.treedef, flat), moved)
+  return (out, ~jnp.any(jnp.asarray(delta.overflow))) if return_exact else out
+
+
+def _check_overflow(plan: Plan, delta: Delta) -> None:
+  """Raises unless every overflow flag of ``delta`` is known to be false (see :func:`apply`)."""
+  if is_traced(delta.overflow) or is_traced(delta.counts):
+    raise ConfigError(
+        "jsparse.apply inside jit (or shard_map) cannot read delta.overflow to refuse an "
+        "overflowed delta: pass return_exact=True and check the returned exact flag (the tree "
+        "is exact when it is true)")
+  overflow, counts = jax.device_get((delta.overflow, delta.counts))
+  flagged = np.flatnonzero(np.asarray(overflow, bool)).tolist()
+  if not flagged:
+    return
+  counts = np.asarray(counts, np.int64)
+  s = flagged[0]
+  seg = plan.segments[s]
+  slots = f"{seg.capacity:,} slot{'s' if seg.capacity != 1 else ''}" if seg.blocks == 1 else \
+      f"{seg.blocks} blocks of {seg.capacity // seg.blocks:,} slots"
+  others = f" and {len(flagged) - 1} more segment(s)" if len(flagged) > 1 else ""
+  option = "capacity" if seg.blocks > 1 or (not seg.pooled and seg.size >= plan.bucket_size) \
+      else "pooled_capacity"
+  needed = int(counts[s])
+  fraction = min(1.0, math.ceil(1000 * needed / seg.size) / 1000)
+  raise OverflowedDeltaError(
+      f"delta overflowed in {plan.describe_segment(s)}{others}: {needed:,} changes for "
+      f"{slots}, so apply would miss some. Sender and Receiver carry such segments densely by "
+      f"themselves; with the pure functions, make the plan with room for them ({option}="
+      f"{fraction!r} or {option}_slots={needed} would have held this one), or pass "
+      "return_exact=True to get (params, exact) and check exact")
 
 
 def colocate(plan: Plan, delta: Delta, flat: list) -> Delta:

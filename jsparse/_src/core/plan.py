@@ -172,6 +172,17 @@ class Plan:
     description = repr((str(self.treedef), leaves, self.segments, self.bucket_size))
     return hashlib.blake2b(description.encode(), digest_size=16).digest()
 
+  def __repr__(self) -> str:
+    """One line: leaves, elements, segments, their slots, rollout dtypes (the fields are long)."""
+    slots = sum(seg.capacity for seg in self.segments)
+    share = f" ({slots / self.num_elements:.1%})" if self.num_elements else ""
+    dtypes = "/".join(sorted({_short_dtype(l.rollout_dtype) for l in self.leaves})) or "none"
+    split = sum(seg.blocks > 1 for seg in self.segments)
+    return (f"Plan({len(self.leaves):,} leaves, {count_text(self.num_elements)} elements, "
+            f"{len(self.segments):,} segments{f' ({split} split into blocks)' if split else ''}, "
+            f"capacity {count_text(slots)}{share}, rollout {dtypes}, "
+            f"fingerprint {self.fingerprint.hex()[:8]})")
+
   def describe_segment(self, s: int) -> str:
     """How errors name segment ``s``: its index and first leaves."""
     paths = [self.leaves[i].path for i in self.segments[s].leaf_ids]
@@ -250,6 +261,26 @@ class Plan:
     return {leaf_id: (seg_id, offset)
             for seg_id, seg in enumerate(self.segments)
             for leaf_id, offset in zip(seg.leaf_ids, seg.offsets)}
+
+
+def count_text(n: int) -> str:
+  """``n`` for a one-line summary: exact below 10,000, else to 2 significant digits.
+
+  >>> count_text(1234), count_text(24576), count_text(1_234_567), count_text(7_000_000_000)
+  ('1,234', '25K', '1.2M', '7.0B')
+  """
+  if n < 10_000:
+    return f"{n:,}"
+  for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+    if n >= scale:
+      value = n / scale
+      return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
+  return f"{n:,}"
+
+
+def _short_dtype(dtype: np.dtype) -> str:
+  return {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "float64": "f64"}.get(
+      dtype.name, dtype.name)
 
 
 def _canonical(dtype: Any) -> np.dtype:
