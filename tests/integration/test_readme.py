@@ -1,28 +1,25 @@
-"""Every ```python block of the README runs as it is (each in a fresh namespace)."""
-
-import re
-from pathlib import Path
+"""Every ```python block of the README runs as it is (each in a fresh namespace); its ```py
+blocks quote the package's programs line for line (see doc_blocks)."""
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+from tests.integration.doc_blocks import (ROOT, check_quoted, indented_blocks, python_blocks,
+                                          quoted_blocks, run_block)
+
+README = ROOT / "README.md"
+BLOCKS = python_blocks(README)
 
 
 def test_readme_has_examples():
-  assert len(BLOCKS) >= 5
+  assert len(BLOCKS) >= 1
+  assert not indented_blocks(README)
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index, capsys):
-  exec(compile(BLOCKS[index], f"README.md block {index}", "exec"), {"__name__": "readme"})
+  run_block(BLOCKS[index], f"README.md block {index}")
 
 
-def test_readme_multihost_lines_are_the_example_programs():
-  """The ```py block of the multi-host section quotes jsparse/examples/multihost.py, which
-  tests/multihost runs as multi-process jobs."""
-  source = (README.parents[0] / "jsparse" / "examples" / "multihost.py").read_text()
-  lines = {line.strip() for line in source.splitlines()}
-  (block,) = re.findall(r"^```py\n(.*?)^```", README.read_text(), re.S | re.M)
-  quoted = [line.strip() for line in block.splitlines() if not line.strip().startswith("#")]
-  assert quoted and all(line in lines for line in quoted), [l for l in quoted if l not in lines]
+def test_readme_quoted_lines_are_the_example_programs():
+  for index, block in enumerate(quoted_blocks(README)):
+    check_quoted(block, f"README.md py block {index}")
