@@ -207,7 +207,7 @@ class Plan:
       try:
         placements = self.treedef.flatten_up_to(shardings)
       except (ValueError, TypeError) as e:
-        raise PlanMismatchError(f"shardings: tree structure differs from the plan: {e}") from e
+        raise PlanMismatchError(f"shardings: {self.structure_difference(shardings)}") from e
     return jax.tree.unflatten(self.treedef, [
         jax.ShapeDtypeStruct(l.shape, l.rollout_dtype, sharding=s)
         for l, s in zip(self.leaves, placements)])
@@ -226,14 +226,7 @@ class Plan:
     """
     flat_with_path, treedef = jax.tree.flatten_with_path(tree)
     if treedef != self.treedef:
-      given = [jax.tree_util.keystr(p) for p, _ in flat_with_path]
-      expected = [leaf.path for leaf in self.leaves]
-      missing = [p for p in expected if p not in set(given)]
-      extra = [p for p in given if p not in set(expected)]
-      raise PlanMismatchError(
-          f"{what}: tree structure differs from the plan; missing leaves {missing[:5]}, "
-          f"unexpected leaves {extra[:5]} (plan has {len(expected)} leaves, got {len(given)}); "
-          f"plan treedef {self.treedef}, got {treedef}")
+      raise PlanMismatchError(f"{what}: {self.structure_difference(tree)}")
     flat = []
     for (_, value), leaf in zip(flat_with_path, self.leaves):
       shape = tuple(np.shape(value))
@@ -249,6 +242,25 @@ class Plan:
       flat.append(value)
     return flat
 
+  def structure_difference(self, tree: PyTree) -> str:
+    """Where ``tree``'s structure first differs from the plan's, and how, in a few lines (not
+    the whole tree definitions): a missing or unexpected leaf, or a node of another type (e.g.
+    a dict where the plan was made from a ``flax.nnx.State``).
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> plan = jsparse.make_plan({'layer': {'w': jnp.zeros(2), 'b': jnp.zeros(2)}})
+    >>> print(plan.structure_difference({'layer': {'w': jnp.zeros(2)}}))
+    tree structure differs from the plan at ['layer']['b']: the plan has a leaf there, the
+    tree has none (plan has 2 leaves, got 1); give a tree of the same structure and container
+    types as the one the plan was made from
+    """
+    expected = jax.tree.unflatten(self.treedef, [_Slot(l.path) for l in self.leaves])
+    where, how = _first_difference(expected, tree, ())
+    count = len(jax.tree.leaves(tree))
+    return (f"tree structure differs from the plan at {jax.tree_util.keystr(where) or 'the root'}"
+            f": {how} (plan has {len(self.leaves)} leaves, got {count}); give a tree of the same "
+            "structure and container types as the one the plan was made from")
+
   @mesh_neutral
   def cast(self, tree: PyTree) -> PyTree:
     """Casts every leaf of ``tree`` to its rollout dtype (what the rollout side holds)."""
@@ -261,6 +273,58 @@ class Plan:
     return {leaf_id: (seg_id, offset)
             for seg_id, seg in enumerate(self.segments)
             for leaf_id, offset in zip(seg.leaf_ids, seg.offsets)}
+
+
+class _Slot:
+  """A leaf of the plan's tree rebuilt from its definition (to compare structures)."""
+
+  def __init__(self, path: str):
+    self.path = path
+
+
+def _type_name(node: Any) -> str:
+  if isinstance(node, _Slot):
+    return "a leaf"
+  if node is None:
+    return "None (an empty node)"
+  kind = type(node)
+  name = kind.__qualname__ if kind.__module__ == "builtins" else \
+      f"{kind.__module__}.{kind.__qualname__}"
+  if _is_leaf(node) and hasattr(node, "shape") and hasattr(node, "dtype"):
+    return f"a leaf ({np.dtype(node.dtype).name}{list(node.shape)})"
+  return f"a leaf ({name})" if _is_leaf(node) else f"a {name}"
+
+
+def _is_leaf(node: Any) -> bool:
+  structure = jax.tree.structure(node)
+  return structure.num_nodes == 1 and structure.num_leaves == 1
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+  """(key, child) of ``node``'s direct children."""
+  items, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+  return [(path[0], child) for path, child in items]
+
+
+def _first_difference(expected: Any, given: Any, path: tuple) -> tuple[tuple, str]:
+  """(path, how) of the first node where ``given`` differs in structure from ``expected`` (the
+  plan's tree, :class:`_Slot` leaves); they differ somewhere below ``path``."""
+  if isinstance(expected, _Slot) or _is_leaf(given) or type(expected) is not type(given):
+    return path, f"the plan has {_type_name(expected)} there, the tree has {_type_name(given)}"
+  want, got = _children(expected), _children(given)
+  want_keys, got_keys = [k for k, _ in want], [k for k, _ in got]
+  for key, child in want:
+    if key not in got_keys:
+      return path + (key,), f"the plan has {_type_name(child)} there, the tree has none"
+  for key, child in got:
+    if key not in want_keys:
+      return path + (key,), f"the tree has {_type_name(child)} there, the plan has none"
+  if want_keys != got_keys:
+    return path, "the same keys in another order"
+  for (key, e), (_, g) in zip(want, got):
+    if jax.tree.structure(e) != jax.tree.structure(g):
+      return _first_difference(e, g, path + (key,))
+  return path, f"{_type_name(given)} whose metadata differs from the plan's"
 
 
 def count_text(n: int) -> str:
