@@ -132,6 +132,56 @@ def test_version_gap_replay_and_reorder_are_refused_without_change():
   assert float(out["w"][1]) == 0.0 and float(out["w"][2]) == 2.0
 
 
+def test_refusals_say_what_to_do_next_on_the_receiving_side():
+  params = {"w": jnp.zeros(5000)}
+  plan, sender, receiver = _pair(params)
+  p1 = sender.send({"w": params["w"].at[1].set(1.0)})
+  p2 = sender.send({"w": params["w"].at[2].set(2.0)})
+  with pytest.raises(jsparse.VersionError) as gap:
+    receiver.receive(p2)
+  message = str(gap.value)
+  assert "nothing was applied" in message and "missed the versions after 0" in message
+  assert "needs an anchor: a Subscriber asks for one by itself; with a bare Receiver, have the " \
+      "trainer send one (sender.send(params, full=True))" in message
+  receiver.receive(p1)
+  with pytest.raises(jsparse.VersionError, match="replayed or reordered: drop it, this receiver "
+                     "is past it"):
+    receiver.receive(p1)
+  anchor = sender.send(params, full=True)
+  receiver.receive(anchor)
+  with pytest.raises(jsparse.VersionError, match="drop it, this receiver is ahead of it"):
+    receiver.receive(anchor)
+  stranger = jsparse.Receiver(plan, {"w": jnp.ones(5000)}, version=sender.version)
+  with pytest.raises(jsparse.IntegrityError, match="nothing was applied; this receiver needs an "
+                     "anchor: a Subscriber asks"):
+    stranger.receive(sender.send(params))
+  _, sender, receiver = _pair(params)
+  stream = receiver.open_stream()
+  stream.add(sender.send_part({"w": jnp.ones(5000)}))
+  stream.commit()
+  with pytest.raises(jsparse.VersionError, match=r"open a new one \(receiver.open_stream\(\)\)"):
+    stream.commit()
+
+
+def test_sync_state_refusals_say_what_to_do():
+  params = {"w": jnp.zeros(50), "b": {"c": jnp.zeros(3)}}
+  plan, sender, receiver = _pair(params)
+  other = jsparse.make_plan({"w": jnp.zeros(51), "b": {"c": jnp.zeros(3)}})
+  with pytest.raises(jsparse.PlanMismatchError, match="another plan.*restore it with the plan it "
+                     "was saved with.*or start from fresh params and take an anchor"):
+    jsparse.Receiver.restore(other, receiver.state())
+  with pytest.raises(jsparse.PlanMismatchError, match=r"from \.state\(\) of a Sender or Receiver"):
+    jsparse.Receiver.restore(plan, {"w": 1})
+  state = receiver.state()._replace(params={"w": params["w"], "b": {}})
+  with pytest.raises(jsparse.PlanMismatchError, match=r"sync state params: tree structure differs "
+                     r"from the plan at \['b'\]\['c'\]: the plan has a leaf there"):
+    jsparse.Receiver.restore(plan, state)
+  damaged = receiver.state()._replace(params={"w": jnp.ones(50), "b": {"c": jnp.zeros(3)}})
+  with pytest.raises(jsparse.IntegrityError, match="restore another step, or start from fresh "
+                     "params and take an anchor"):
+    jsparse.Receiver.restore(plan, jax.tree.map(lambda x: x, damaged))
+
+
 def test_corrupted_truncated_or_foreign_bytes_change_nothing():
   rng = np.random.default_rng(3)
   params = _tree(rng)

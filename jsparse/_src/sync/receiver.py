@@ -41,6 +41,11 @@ from jsparse._src.wire.payload import (Format, Kind, Mode, Payload, SegmentPaylo
                                        ranked_segments)
 
 
+# What a receiver that missed versions, or holds params of no version of the sender's, needs.
+NEEDS_ANCHOR = ("this receiver needs an anchor: a Subscriber asks for one by itself; with a bare "
+                "Receiver, have the trainer send one (sender.send(params, full=True))")
+
+
 class Receiver:
   """Rollout side of a sync: applies payloads from a :class:`Sender` to its params.
 
@@ -231,7 +236,8 @@ class Receiver:
     except JsparseError as e:
       error = e
     except Exception as e:  # noqa: BLE001 - e.g. a part's reader failed: agreed, then raised
-      error = PayloadError(f"the parts could not be read: {e!r}")
+      error = PayloadError(f"the parts could not be read: {e!r}; nothing was applied: read them "
+                           "again")
       error.__cause__ = e
     return self._apply_read(read, error)
 
@@ -268,14 +274,21 @@ class Receiver:
     """Refuses a payload for another base version or state."""
     if payload.kind == Kind.ANCHOR and payload.version <= self.version:
       raise VersionError(f"an anchor of version {payload.version} is not newer than this "
-                         f"receiver's version {self.version} (replayed or reordered)")
+                         f"receiver's version {self.version} (replayed or reordered): nothing was "
+                         "applied; drop it, this receiver is ahead of it")
     if payload.kind == Kind.DELTA:
       if payload.base_version != self.version:
-        raise VersionError(f"payload turns version {payload.base_version} into "
-                           f"{payload.version}, but this receiver holds version {self.version}")
+        behind = payload.base_version > self.version
+        raise VersionError(
+            f"payload turns version {payload.base_version} into {payload.version}, but this "
+            f"receiver holds version {self.version}: nothing was applied; " + (
+                f"it missed the versions after {self.version}: deliver them in order, or "
+                f"{NEEDS_ANCHOR}" if behind else
+                "the payload is replayed or reordered: drop it, this receiver is past it"))
       if payload.base_digest != self.digest:
         raise IntegrityError(f"this receiver's params differ from the sender's version "
-                             f"{self.version}: resync with an anchor (sender.send(p, full=True))")
+                             f"{self.version} (changed outside it, or restored from another "
+                             f"run): nothing was applied; {NEEDS_ANCHOR}")
 
   def _write_dense(self, dense: dict[int, np.ndarray]) -> list:
     """The leaves with every dense record (segment → its bits) written (dense segments have no
@@ -298,8 +311,8 @@ class Receiver:
       # The old buffers were donated: keep what was built, under its own digest, so that no
       # delta matches it and only an anchor is accepted.
       self._flat, self._bits = flat, bits
-      raise IntegrityError(f"{message}; this receiver is out of sync until it gets an anchor "
-                           "(sender.send(params, full=True))")
+      raise IntegrityError(f"{message}; this receiver kept the result and is out of sync: "
+                           f"{NEEDS_ANCHOR}")
     self._flat = flat
     self.version, self._bits = payload.version, bits
 
@@ -334,7 +347,8 @@ class ReceiveStream:
         (the stream is then refused at commit; nothing is applied).
     """
     if self._done:
-      raise VersionError("this stream was committed: open a new one for the next version")
+      raise VersionError("this stream was committed: open a new one (receiver.open_stream()) for "
+                         "the next version")
     try:
       return self._reader.add(part).header.part
     except JsparseError as e:
@@ -351,7 +365,8 @@ class ReceiveStream:
         for a donating receiver.
     """
     if self._done:
-      raise VersionError("this stream was committed already")
+      raise VersionError("this stream was committed already: open a new one "
+                         "(receiver.open_stream()) for the next version")
     self._done = True
     read, error = None, self._error
     if error is None:

@@ -75,7 +75,8 @@ def state_run(state: Any) -> bytes | None:
     return None
   run = np.asarray(run, np.uint8).tobytes()
   if len(run) != RUN_BYTES:
-    raise PlanMismatchError(f"sync state: run must be uint8[{RUN_BYTES}], got {len(run)} bytes")
+    raise PlanMismatchError(f"sync state: run must be uint8[{RUN_BYTES}], got {len(run)} bytes "
+                            "(damaged, or not a jsparse.SyncState): restore another step")
   return run if any(run) else None
 
 
@@ -133,25 +134,32 @@ def check_state(plan: Plan, state: Any, *, rollout_only: bool) -> tuple[int, byt
                                                    set(SyncState._fields) - {"run"}):
     state = SyncState(**state)
   if not isinstance(state, SyncState):
-    raise PlanMismatchError(f"sync state: expected a jsparse.SyncState, got {type(state)}")
+    raise PlanMismatchError(f"sync state: expected a jsparse.SyncState (from .state() of a Sender "
+                            f"or Receiver, restored onto jsparse.abstract_sync_state(plan)), got "
+                            f"{type(state).__name__}")
   if np.asarray(state.plan, np.uint8).tobytes() != plan.fingerprint:
-    raise PlanMismatchError("sync state: it was saved for another plan (fingerprint differs)")
+    raise PlanMismatchError("sync state: it was saved for another plan (fingerprint differs): "
+                            "restore it with the plan it was saved with (make_plan of the same "
+                            "tree and options), or start from fresh params and take an anchor")
   try:
     params = from_storable(plan, state.params)
   except (ValueError, TypeError) as e:
-    raise PlanMismatchError(f"sync state params: tree structure differs from the plan: {e}") \
+    raise PlanMismatchError(f"sync state params: {plan.structure_difference(state.params)}") \
         from e
   plan.flatten(params, what="sync state params", rollout_only=rollout_only)
   digest = np.asarray(state.digest, np.uint32)
   if digest.shape != (2,):
-    raise PlanMismatchError(f"sync state: digest must be uint32[2], got {digest.shape}")
+    raise PlanMismatchError(f"sync state: digest must be uint32[2], got {digest.shape} "
+                            "(damaged, or not a jsparse.SyncState): restore another step")
   return check_version(int(state.version)), digest.astype("<u4").tobytes(), params
 
 
 def check_digest(actual: bytes, saved: bytes, version: int) -> None:
   if actual != saved:
     raise IntegrityError(f"restored sync state of version {version}: its params do not match "
-                         "the digest saved with them (corrupted or from another run)")
+                         "the digest saved with them (corrupted or from another run): restore "
+                         "another step, or start from fresh params and take an anchor (a "
+                         "Subscriber with start_with_anchor=True)")
 
 
 def digest_bytes(digest: Any) -> bytes:
