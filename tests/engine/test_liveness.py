@@ -116,8 +116,11 @@ def test_a_stalled_rollout_says_why_and_asks_again_within_its_bound(plan, states
     assert subscriber.poll() == [] and subscriber.stats.anchor_requests == 1
     publisher.publish(states[3])  # 2 versions on: it asks again, and is heard
     assert subscriber.poll() == [] and subscriber.stats.anchor_requests == 2
-  assert any("stalled" in r.message and "asking for an anchor" in r.message
-             for r in caplog.records)
+  assert any("stalled" in r.message and "the rollout asked the trainer for an anchor (its "
+             "Publisher adds one at its next publish" in r.message for r in caplog.records)
+  assert any("not applied" in r.message and "it is skipped and the rollout asked the trainer "
+             "for an anchor" in r.message for r in caplog.records)
+  assert not any("sender.send" in r.message for r in caplog.records)  # no advice for a trainer
   publisher.publish(states[4])
   assert subscriber.poll() == [4] and subscriber.stats.stalled is None
   assert_trees_bitwise_equal(subscriber.params, plan.cast(states[4]))

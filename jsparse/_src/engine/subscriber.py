@@ -33,10 +33,14 @@ from jsparse._src.errors import IntegrityError, PayloadError, VersionError
 from jsparse._src.options import feed_argument, float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
-from jsparse._src.sync.receiver import Receiver
+from jsparse._src.sync.receiver import NEEDS_ANCHOR, Receiver
 
 _FAILURES = (PayloadError, IntegrityError, VersionError, PartsLostError)
 _TRANSIENT = PayloadError("damaged or missing parts")  # read them again once
+# What a rollout does about a version it cannot use (the trainer's Publisher answers a request
+# with an anchor at its next publish): nothing for the user to do while the trainer publishes.
+_ASKS = ("the rollout asked the trainer for an anchor (its Publisher adds one at its next "
+         "publish; if none comes, check that the trainer still publishes into this feed)")
 
 
 @dataclasses.dataclass
@@ -194,8 +198,8 @@ class Subscriber:
       self._stall = (now, self.version)
     since, at = self._stall
     if newest - at >= self.stall_versions or now - since >= self.stall_seconds:
-      logging.getLogger("jsparse").warning("jsparse: stalled: %s; asking for an anchor",
-                                           self.stats.stalled)
+      logging.getLogger("jsparse").warning("jsparse: stalled: %s; %s", self.stats.stalled,
+                                           _ASKS)
       self._needs_anchor = True
       self._request_anchor()
       self._stall = (now, newest)  # ask again after as many more versions or seconds
@@ -233,10 +237,13 @@ class Subscriber:
     except _FAILURES as e:
       if self.receiver.digest != before:  # a donating receiver kept what failed its check
         self.receiver.detach()  # its bits are no version: it serves version 0 until an anchor
-      logging.getLogger("jsparse").warning("jsparse: version %d (%s) not applied%s: %s",
-                                           entry.version, entry.kind,
-                                           " after a second read" if retry else "", e)
-      return _TRANSIENT if isinstance(e, (PayloadError, PartsLostError)) and not retry else e
+      again = isinstance(e, (PayloadError, PartsLostError)) and not retry
+      logging.getLogger("jsparse").warning(
+          "jsparse: version %d (%s) not applied%s: %s; %s", entry.version, entry.kind,
+          " after a second read" if retry else "", str(e).replace(NEEDS_ANCHOR, "it needs an "
+                                                                  "anchor"),
+          "reading it once more" if again else f"it is skipped and {_ASKS}")
+      return _TRANSIENT if again else e
     setattr(self.stats, entry.kind + "s", getattr(self.stats, entry.kind + "s") + 1)
     self.stats.bytes_read += self.receiver.last_read.bytes_read
     return None
