@@ -188,7 +188,8 @@ def check_delta(plan: Plan, delta: Delta) -> None:
   """Raises :class:`PlanMismatchError` unless ``delta`` has the shapes and dtypes the plan fixes."""
   n = len(plan.segments)
   if not isinstance(delta, Delta) or len(delta.indices) != n or len(delta.values) != n:
-    raise PlanMismatchError(f"delta: expected a jsparse.Delta with {n} segments")
+    raise PlanMismatchError(f"delta: expected a jsparse.Delta with {n} segments, as "
+                            "jsparse.diff with this plan makes")
   for s, seg in enumerate(plan.segments):
     for name, arr, dtype in (("indices", delta.indices[s], np.dtype(np.int32)),
                              ("values", delta.values[s], seg.bit_dtype)):
@@ -196,7 +197,8 @@ def check_delta(plan: Plan, delta: Delta) -> None:
         paths = [plan.leaves[i].path for i in seg.leaf_ids][:3]
         raise PlanMismatchError(
             f"delta: segment {s} (leaves {paths}) {name} is {arr.dtype}{list(arr.shape)}, the plan "
-            f"expects {dtype}[{seg.capacity}]")
+            f"expects {dtype}[{seg.capacity}]: a delta from another plan; diff and apply with the "
+            "same plan")
 
 
 def _apply_leaf(leaf: LeafSpec, layout: Layout | None, base: jax.Array, idx: jax.Array,

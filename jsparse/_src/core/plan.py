@@ -233,12 +233,16 @@ class Plan:
       dtype = _canonical(getattr(value, "dtype", None) or np.asarray(value).dtype)
       if shape != leaf.shape:
         raise PlanMismatchError(
-            f"{what}: leaf {leaf.path} has shape {shape}, the plan expects {leaf.shape}")
+            f"{what}: leaf {leaf.path} has shape {shape}, the plan expects {leaf.shape}: the plan "
+            "was made from another tree; make it from this model's params (or their shapes)")
       allowed = (leaf.rollout_dtype,) if rollout_only else (leaf.dtype, leaf.rollout_dtype)
       if dtype not in allowed:
         names = " or ".join(sorted({str(d) for d in allowed}))
+        hint = ("a rollout tree holds the rollout dtypes: plan.cast(params) makes one"
+                if rollout_only and dtype == leaf.dtype else
+                "the plan was made from another tree; make it from this model's params")
         raise PlanMismatchError(
-            f"{what}: leaf {leaf.path} has dtype {dtype}, the plan expects {names}")
+            f"{what}: leaf {leaf.path} has dtype {dtype}, the plan expects {names}: {hint}")
       flat.append(value)
     return flat
 

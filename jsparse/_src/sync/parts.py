@@ -197,7 +197,7 @@ class PartsReader:
         segment exactly once.
     """
     if not self._indexes:
-      raise PayloadError("no parts given")
+      raise PayloadError("no parts given: add every part of the version before finishing")
     _check_one_version(self._indexes, complete=True)
     counts = self._coverage.complete()
     indexes = self._indexes
@@ -238,7 +238,8 @@ def _check_one_version(indexes: Sequence[PartIndex], complete: bool) -> None:
       raise PayloadError(f"part {index.header.part} belongs to another version or sender than "
                          f"part {first.part} (version {index.header.version} from "
                          f"{index.header.base_version}, against {first.version} from "
-                         f"{first.base_version})")
+                         f"{first.base_version}): nothing was applied; give the parts of one "
+                         "version only")
   numbers = sorted(i.header.part for i in indexes)
   if not complete and len(set(numbers)) == len(numbers):
     return
@@ -246,7 +247,8 @@ def _check_one_version(indexes: Sequence[PartIndex], complete: bool) -> None:
     missing = sorted(set(range(first.parts)) - set(numbers))
     repeated = sorted({n for n in numbers if numbers.count(n) > 1})
     raise PayloadError(f"version {first.version} has {first.parts} parts; missing "
-                       f"{missing[:8]}, repeated {repeated[:8]}: nothing was applied")
+                       f"{missing[:8]}, repeated {repeated[:8]}: nothing was applied; give "
+                       "every part of the version once (all that the trainer's processes sent)")
 
 
 class _Coverage:
@@ -267,7 +269,7 @@ class _Coverage:
       if np.any(hits > 1):
         raise PayloadError(f"part {index.header.part}: {self.plan.describe_segment(s)} is "
                            "covered twice (by this part or an earlier one): nothing was "
-                           "applied")
+                           "applied; give each part of the version once, all from one sender")
     for s, hits in new.items():
       self.hits[s] = hits
     for entry in index.entries:
@@ -279,7 +281,8 @@ class _Coverage:
     for s, hits in enumerate(self.hits):
       if np.any(hits != 1):
         raise PayloadError(f"{self.plan.describe_segment(s)}: the parts cover its blocks "
-                           f"{hits.tolist()[:8]} times, not once each")
+                           f"{hits.tolist()[:8]} times, not once each: nothing was applied; "
+                           "give every part of the version once")
     return self.counts
 
 
@@ -290,7 +293,7 @@ def check_parts(parts) -> None:
     raise ArgumentError(f"jsparse: expected a list of payload parts (e.g. [part]), got "
                         f"{type(parts).__name__}")
   if not len(parts):
-    raise PayloadError("no parts given")
+    raise PayloadError("no parts given: pass every part of one version (a list of bytes)")
   for k, part in enumerate(parts):
     check_part(part, k)
 
@@ -360,4 +363,5 @@ def agree(error: JsparseError | None, flat: Sequence[jax.Array]) -> None:
     raise error
   if failed:
     raise PayloadError(f"rollout process(es) {failed} refused this version's parts: nothing "
-                       "was applied")
+                       "was applied (their errors say why); read the version again, or take an "
+                       "anchor")
