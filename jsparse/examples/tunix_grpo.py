@@ -13,6 +13,7 @@ Everything is random-initialized, nothing is downloaded. Needs 4 devices (on CPU
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Callable
@@ -45,15 +46,10 @@ class WordTokenizer:
     return 0
 
 
-@dataclasses.dataclass(frozen=True)
-class Size:
-  """A Qwen3 config small enough for CPU."""
-  vocab: int = 32
-  layers: int = 2
-  dim: int = 64
-  hidden: int = 128
-  heads: int = 4
-  head_dim: int = 16
+Size = collections.namedtuple("Size", "vocab layers dim hidden heads head_dim",
+                              defaults=(32, 2, 64, 128, 4, 16))
+Size.__doc__ = """A Qwen3 config small enough for CPU: vocabulary, decoder layers, model width, MLP
+width, attention heads and the width of each head (e.g. ``Size(dim=128, hidden=256)``)."""
 
 
 def qwen3_config(size: Size):
