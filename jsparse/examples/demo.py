@@ -83,6 +83,21 @@ def _shardings(params, mesh, split_dim: int, axis: str):
   return jax.tree.map(one, params)
 
 
+def _train_step_keeping(shardings):
+  """``rl_model.train_step``, with the params laid out as ``shardings`` when it returns. Left to
+  itself XLA splits the biases and norms (held whole in the plan) over the fsdp axis, and every
+  diff then gathers them again."""
+  from flax import nnx
+  from jsparse.examples import rl_model
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    value = rl_model.train_step(model, optimizer, tokens)
+    nnx.update(model, jax.lax.with_sharding_constraint(nnx.state(model, nnx.Param), shardings))
+    return value
+  return step
+
+
 def _plot(history: list[dict], dense_bytes: int, lr: float, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -126,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   nnx.update(model, jax.device_put(params, trainer_shardings))
   optimizer = nnx.Optimizer(model, optimizer.tx, wrt=nnx.Param)  # its state on the mesh too
   params = nnx.state(model, nnx.Param)
+  train_step = _train_step_keeping(trainer_shardings)  # params stay laid out as planned
 
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=args.capacity)
   sender = jsparse.Sender(plan, params)
@@ -142,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   bar = tqdm(range(1, args.steps + 1), desc="sync", unit="step", disable=args.no_progress,
              file=sys.stdout)
   for step in bar:
-    loss = float(rl_model.train_step(model, optimizer, next(batches)))
+    loss = float(train_step(model, optimizer, next(batches)))
     params = nnx.state(model, nnx.Param)
     start = time.perf_counter()
     rollout = jax.block_until_ready(receiver.receive(sender.send(params)))

@@ -101,3 +101,17 @@ def test_a_leaf_laid_out_otherwise_than_the_plans_blocks_warns_once_per_leaf(cap
   assert {w.split()[3] for w in warnings} == {"['w']", "['v']"}
   assert all("make the plan from the params as the train step returns them" in w
              for w in warnings)
+
+
+def test_the_warning_is_once_per_leaf_whatever_the_number_of_senders(caplog):
+  """A checkpoint chain makes a sender at each base, next to the trainer's own: a leaf laid out
+  otherwise is said once in the process, not once per sender."""
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  params = {"u": jax.device_put(np.zeros((40, 24), np.float32), NamedSharding(mesh, P("fsdp")))}
+  plan = jsparse.make_plan(params)
+  gathered = {"u": jax.device_put(np.ones((40, 24), np.float32), NamedSharding(mesh, P()))}
+  with caplog.at_level("WARNING", logger="jsparse"):
+    for _ in range(3):
+      jsparse.Sender(plan, params).send(gathered)
+  warnings = _laid_out_otherwise(caplog)
+  assert len(warnings) == 1 and "['u']" in warnings[0], warnings

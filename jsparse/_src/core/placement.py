@@ -112,6 +112,12 @@ def _same_mesh(x: jax.Array, like: jax.Array) -> bool:
           and x.sharding.mesh == like.sharding.mesh)
 
 
+# (plan fingerprint, leaf path) of every leaf warned about in this process: a leaf is laid out
+# otherwise for every sender of its plan (e.g. the senders a checkpoint chain makes at each base),
+# and the warning says so once.
+_WARNED: set[tuple[bytes, str]] = set()
+
+
 def placed_for_diff(plan: Plan, flat: list, snapshot: list, warned: set[str]) -> list:
   """A sender's trainer leaves, ready to be diffed against its ``snapshot`` (which lies on the
   plan's layouts).
@@ -123,8 +129,8 @@ def placed_for_diff(plan: Plan, flat: list, snapshot: list, warned: set[str]) ->
   program, as it gathers the pooled leaves (no warning, no reshard of its own). A leaf that
   the plan splits into blocks must come in those blocks, and every leaf must lie on the
   snapshot's mesh: one laid out otherwise is resharded for every diff (the plan or the trainer
-  should change), with a warning the first time for each leaf (its path is then added to
-  ``warned``).
+  should change), with a warning the first time for each leaf in this process, whatever the
+  number of senders (its path is also added to ``warned``).
 
   >>> import jax, jax.numpy as jnp, jsparse
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -141,7 +147,8 @@ def placed_for_diff(plan: Plan, flat: list, snapshot: list, warned: set[str]) ->
     if _same_placement(x, old) or (leaf.layout is None and _same_mesh(x, old)):
       out.append(x)
       continue
-    if leaf.path not in warned:
+    if leaf.path not in warned and (plan.fingerprint, leaf.path) not in _WARNED:
+      _WARNED.add((plan.fingerprint, leaf.path))
       warned.add(leaf.path)
       where = (f"{_describe(_layout_of(x, leaf))}, the plan's leaf {_describe(leaf.layout)}"
                if _same_mesh(x, old) else f"on {x.sharding}, the plan's on {old.sharding}")
