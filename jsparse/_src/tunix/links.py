@@ -70,6 +70,8 @@ class FeedLink:
     self.subscriber.poll()
     if self.subscriber.version != self.sender.version:
       raise VersionError(f"jsparse.tunix: the rollout is at version {self.subscriber.version} "
-                         f"after publishing version {self.sender.version}")
+                         f"after publishing version {self.sender.version}: it could not apply "
+                         "the version (the warnings logged above say why) and asked for an "
+                         "anchor, which the next sync publishes; if this repeats, check the feed")
     return Moved(self.sender.version, self.sender.last_stats.changed,
                  self.publisher.bytes_put - before)
