@@ -6,7 +6,8 @@ bodies are those of the last commit before the redesign (686fd14, zstandard 0.25
 headers changed twice since, deliberately: the plan fingerprint no longer covers a rollout
 layout (the plan knows none), and the digests are bound to the versions (a forged version fails
 the end-to-end check). A deliberate change of the format updates these hashes and says
-why in its commit.
+why in its commit. The packed coding's bytes come from device programs: they are the same on
+every backend (integer arithmetic only), so these pins hold on GPUs and TPUs too.
 """
 
 import hashlib
@@ -33,6 +34,10 @@ GOLDEN = {
     "lists/overflow": ("15c2dd3777d59abe29dad2b6c1887cdab86726c168d6f9510a459867a509484f", 120094),
     "lists/anchor": ("bfbf0e067ffec2db8ce0576272118c99b286e23e31cd7bedc87f1f3357ac2127", 133452),
     "sharded/delta": ("f656315c836193d165d967dadd5e3fe4ab2b810bc4172758b272208ac0f7f4d9", 16477),
+    "packed/delta": ("99b7d7992b14f7ff7e1a80e69120fdd48692a41828a8f5474dae713cad439fd1", 2950),
+    "packed/overflow": ("9d6abba2e3b5c9a088fd7d21089396a102f3cd153e10355adaa8eaecddddb990", 120094),
+    "packed/anchor": ("2f77ffd9f5c84d13540b2c552d52681eb4bc630549f7f153b4ccba01120501d9", 133452),
+    "sharded/packed": ("6da856e71ae986954256d9304a100eb806016d1364246d940e1c7b78bbab35fe", 16453),
 }
 
 
@@ -60,7 +65,7 @@ def _payloads():
   tree = _tree(0)
   plan = jsparse.make_plan(tree, capacity=0.1, **strategies.mixed_plan_options())
   out = {}
-  for coding in ("ranked", "positioned", "lists"):
+  for coding in ("ranked", "positioned", "lists", "packed"):
     sender = jsparse.Sender(plan, tree, coding=coding)
     new = _update(np.random.default_rng(1), tree, 0.03)
     out[f"{coding}/delta"] = sender.send(new)
@@ -73,6 +78,8 @@ def _payloads():
   sender = jsparse.Sender(plan, {"w": jax.device_put(w, trainer)})
   moved = w * (1 + (np.abs(w) < 0.1) * 0.01)
   out["sharded/delta"] = sender.send({"w": jax.device_put(moved, trainer)})
+  packed = jsparse.Sender(plan, {"w": jax.device_put(w, trainer)}, coding="packed")
+  out["sharded/packed"] = packed.send({"w": jax.device_put(moved, trainer)})
   return out
 
 

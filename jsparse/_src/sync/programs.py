@@ -317,9 +317,11 @@ class SlotLevels:
   >>> levels.choose('family', needed=3)  # a first call: level 0, compiled by the call
   0
   >>> levels.ran('family', 0)
-  >>> levels.request('family', 3, lambda: None)  # level 3, compiled in the background
+  >>> compiled = threading.Event()  # stands for a compilation that takes a while
+  >>> levels.request('family', 3, compiled.wait)  # level 3, compiled in the background
   >>> levels.choose('family', needed=3)  # meanwhile
   0
+  >>> compiled.set()
   >>> levels.wait(), levels.choose('family', needed=3), levels.choose('family', needed=1)
   (True, 3, 0)
   """

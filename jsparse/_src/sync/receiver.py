@@ -33,10 +33,10 @@ from jsparse._src.errors import IntegrityError, JsparseError, PayloadError, Vers
 from jsparse._src.options import typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
-from jsparse._src.sync import programs, staging
+from jsparse._src.sync import packed_stage, programs, staging
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, state_run, versioned_digest)
-from jsparse._src.wire import framing
+from jsparse._src.wire import framing, packed
 from jsparse._src.wire.payload import (Format, Kind, Mode, Payload, SegmentPayload,
                                        ranked_segments)
 
@@ -153,8 +153,26 @@ class Receiver:
         the result does not match the sender's digest (see the class docstring).
       Except for a donating receiver's failed end-to-end check, nothing was changed.
     """
-    header, records = framing.decode_lazily(self.plan, data)
-    return self._apply_records(header, records)
+    header, reader = framing.read_header(self.plan, data)
+    if header.format == Format.PACKED:
+      return self._apply_packed(header, packed.decode_body(self.plan, header.kind, reader))
+    return self._apply_records(header, framing.checked_records(self.plan, header, reader))
+
+  @mesh_neutral
+  def _apply_packed(self, header: Payload, body: packed.PackedBody) -> PyTree:
+    """Applies a format-3 payload whose framing is checked: its changes are unpacked and
+    checked on the devices (``packed_stage.py``) before anything is written."""
+    with self._lock:
+      self._check_base(header)
+      flat = self._write_dense(body.dense)
+      if not body.counts.any():
+        digest = programs.leaves_digest(self.plan, flat, self._layouts)
+      else:
+        inputs = packed_stage.receiver_inputs(self.plan, flat, body)
+        flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
+                                             donate=self._donate)
+      self._verify_and_commit(header, flat, digest_bytes(digest))
+      return self.params
 
   def apply_payload(self, payload: Payload) -> PyTree:
     """:meth:`receive` for an already decoded (and validated) payload."""

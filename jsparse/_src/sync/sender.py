@@ -43,7 +43,8 @@ from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (RUN_BYTES, SyncState, check_digest, check_state,
                                      check_version, digest_bytes, state_run, versioned_digest)
 from jsparse._src.wire import framing
-from jsparse._src.wire.payload import (Coding, Kind, Payload, segment_host_bits,
+from jsparse._src.sync.packed_stage import packed_body
+from jsparse._src.wire.payload import (Coding, Format, Kind, Payload, segment_host_bits,
                                        segment_records)
 
 
@@ -193,9 +194,26 @@ class Sender:
       VersionError: ``version`` is not newer than the sender's.
     """
     with self._anchor_next_if_moved():
-      data = framing.encode(self.plan, self._payload(params, full, version))
+      if self.coding is Coding.PACKED:
+        data = self._send_packed(params, full, version)
+      else:
+        data = framing.encode(self.plan, self._payload(params, full, version))
     self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data))
     return data
+
+  def _check_single_process(self) -> None:
+    """Refuses a whole payload of params that span several processes."""
+    if not all(x.is_fully_addressable for x in self._snapshot):
+      raise ConfigError("the params span several processes: in a multi-controller job every "
+                        "process calls send_part() and ships its own part")
+
+  def _send_packed(self, params: PyTree, full: bool, version: int | None) -> bytes:
+    """The bytes of the next version in format 3: coded on the device (``packed_stage.py``)."""
+    self._check_single_process()
+    head, body = self._step(params, full, version, functools.partial(packed_body, self.plan))
+    return framing.frame(self.plan, Payload(head.kind, head.base_version, head.version,
+                                            head.base_digest, head.new_digest, (),
+                                            Format.PACKED), body)
 
   @mesh_neutral
   def payload(self, params: PyTree, *, full: bool = False,
@@ -222,19 +240,17 @@ class Sender:
   def _payload(self, params: PyTree, full: bool, version: int | None) -> Payload:
     """The payload to the next version, its records a generator that moves each segment's
     changes to the host as its record is made (see :func:`payload.segment_records`)."""
-    if not all(x.is_fully_addressable for x in self._snapshot):
-      raise ConfigError("the params span several processes: in a multi-controller job every "
-                        "process calls send_part() and ships its own part")
+    self._check_single_process()
 
     def whole(changes: programs.DeviceChanges, snapshot: list, full: bool):
-      return segment_records(self.plan, self.coding, local_value(changes.delta.counts),
+      return segment_records(self.plan, self.coding.records, local_value(changes.delta.counts),
                              local_value(changes.delta.overflow), _HostChanges(changes),
                              dense=lambda s: segment_host_bits(self.plan, s, snapshot),
                              full=full)
 
     head, segments = self._step(params, full, version, whole)
     return Payload(head.kind, head.base_version, head.version, head.base_digest,
-                   head.new_digest, segments, self.coding.format)
+                   head.new_digest, segments, self.coding.records.format)
 
   def send_part(self, params: PyTree, *, full: bool = False, version: int | None = None) -> bytes:
     """This process's part of the payload to the next version: in a multi-controller trainer
@@ -253,7 +269,7 @@ class Sender:
     1.0
     """
     def mine(changes: programs.DeviceChanges, snapshot: list, full: bool) -> list:
-      return part_records(self.plan, self.coding, self._units, changes, snapshot, full)
+      return part_records(self.plan, self.coding.records, self._units, changes, snapshot, full)
 
     with self._anchor_next_if_moved():
       head, records = self._step(params, full, version, mine)
@@ -298,7 +314,8 @@ class Sender:
 
     return self._part_stream(
         head, pieces, per_process,
-        lambda piece: part_records(self.plan, self.coding, piece, changes, snapshot, full),
+        lambda piece: part_records(self.plan, self.coding.records, piece, changes, snapshot,
+                                   full),
         done, None if full else functools.partial(start_host_copies, changes))
 
   def anchor_stream(self, *, chunk_bytes: int = 64 << 20) -> PartStream:
@@ -325,10 +342,12 @@ class Sender:
     (2, True, 3, 0.0)
     """
     if self.version == 0:
-      raise VersionError("an anchor of version 0 would not be newer than any receiver's state")
+      raise VersionError("an anchor of version 0 would not be newer than any receiver's "
+                         "state: send a first version (sender.send(params)) before an "
+                         "anchor, or create the Sender with version >= 1")
     pieces, per_process = self._stream_pieces(chunk_bytes)
-    head = PartHeader(self.coding.format, Kind.ANCHOR, False, self.version - 1, self.version,
-                      bytes(8), self.digest, 0, 1)
+    head = PartHeader(self.coding.records.format, Kind.ANCHOR, False, self.version - 1,
+                      self.version, bytes(8), self.digest, 0, 1)
     snapshot = self._snapshot
     return self._part_stream(head, pieces, per_process,
                              lambda piece: dense_records(self.plan, piece, snapshot))
@@ -386,9 +405,11 @@ class Sender:
     (5, 0.0)
     """
     if self.version == 0:
-      raise VersionError("an anchor of version 0 would not be newer than any receiver's state")
-    head = PartHeader(self.coding.format, Kind.ANCHOR, False, self.version - 1, self.version,
-                      bytes(8), self.digest, 0, 1)
+      raise VersionError("an anchor of version 0 would not be newer than any receiver's "
+                         "state: send a first version (sender.send(params)) before an "
+                         "anchor, or create the Sender with version >= 1")
+    head = PartHeader(self.coding.records.format, Kind.ANCHOR, False, self.version - 1,
+                      self.version, bytes(8), self.digest, 0, 1)
     return self._encode_part(head, dense_records(self.plan, self._units, self._snapshot))
 
   @mesh_neutral
@@ -397,7 +418,9 @@ class Sender:
     next snapshot, full)`` and moves to the new version: (the header, the records)."""
     version = check_version(self.version + 1 if version is None else version)
     if version <= self.version:
-      raise VersionError(f"version {version} must be newer than the sender's {self.version}")
+      raise VersionError(f"version {version} must be newer than the sender's {self.version}: "
+                         f"pass one above {self.version}, or none (the next is "
+                         f"{self.version + 1})")
     if self._snapshot_lost:  # a failed diff consumed it: start again from these params
       self._snapshot = programs.snapshot_and_digest(self.plan,
                                                     _on_plan_layouts(self.plan, params))[0]
@@ -419,7 +442,7 @@ class Sender:
         self._snapshot_lost = self._needs_anchor = True
       raise
     new_bits = digest_bytes(digest)
-    head = PartHeader(self.coding.format, Kind.ANCHOR if full else Kind.DELTA,
+    head = PartHeader(self.coding.records.format, Kind.ANCHOR if full else Kind.DELTA,
                       self.coding.ranked and not full, self.version, version, self.digest,
                       versioned_digest(new_bits, version), 0, 1)
     self.version, self._bits = version, new_bits  # the snapshot has moved: so do they

@@ -109,7 +109,7 @@ def compile_slots(plan: Plan, devices: Sequence, segment: int, slots: int) -> No
   _COMPILED.add(key)
 
 
-def _replicated(arrays: Sequence[jax.Array], shardings: Sequence) -> list[jax.Array]:
+def replicated_copies(arrays: Sequence[jax.Array], shardings: Sequence) -> list[jax.Array]:
   """Each of ``arrays`` (on one device) copied to every device of this process that its
   sharding (a replicated one) names, as one array: no data crosses processes. Arrays where they
   belong already stay; the rest move in one batched call."""
@@ -203,7 +203,7 @@ class StagedRecords:
       keys.append(key)
       values.append(value)
     self._blocks = [[] for _ in self.plan.segments]  # the slots hold them now
-    placed = _replicated(keys + values, self._shardings * 2)
+    placed = replicated_copies(keys + values, self._shardings * 2)
     return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), counts,
                           tuple(ranked), coded, tuple(levels),
                           functools.partial(compile_slots, self.plan, tuple(self._devices)))

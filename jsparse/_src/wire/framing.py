@@ -5,7 +5,7 @@ Layout, little-endian::
 
   header   magic "JSPS" | format u8 | kind u8 | reserved u16 | plan fingerprint 16B
            | base version u64 | version u64 | base digest 8B | new digest 8B | segments u32
-  body     format 1: ``lists.py``; format 2: ``compact.py``
+  body     format 1: ``lists.py``; format 2: ``compact.py``; format 3: ``packed.py``
   trailer  crc32 of everything before it, u32
 
 :func:`decode` checks everything (the checksum first, every length before it allocates, then
@@ -46,14 +46,21 @@ def encode(plan: Plan, payload: Payload) -> bytes:
   """Serializes ``payload`` (which must match ``plan``) to bytes. Its segments may be any
   iterable of one record per segment of the plan (a generator: each record is coded as it
   comes)."""
-  header = HEADER.pack(MAGIC, payload.format, payload.kind, 0, plan.fingerprint,
-                       payload.base_version, payload.version, payload.base_digest,
-                       payload.new_digest, len(plan.segments))
   records = iter(payload.segments)
-  body = header + _BODIES[payload.format].encode_body(plan, _exactly(len(plan.segments), records))
+  body = _BODIES[payload.format].encode_body(plan, _exactly(len(plan.segments), records))
   if next(records, None) is not None:
     raise PayloadError(f"payload has more segments than the plan's {len(plan.segments)}")
-  return body + _CRC.pack(zlib.crc32(body))
+  return frame(plan, payload, body)
+
+
+def frame(plan: Plan, header: Payload, body: bytes) -> bytes:
+  """The payload bytes of a body coded elsewhere (format 3's, on the device): ``header``'s
+  fields (its segments are not looked at), the body, the checksum."""
+  head = HEADER.pack(MAGIC, header.format, header.kind, 0, plan.fingerprint,
+                     header.base_version, header.version, header.base_digest,
+                     header.new_digest, len(plan.segments))
+  crc = zlib.crc32(body, zlib.crc32(head))
+  return b"".join((head, body, _CRC.pack(crc)))
 
 
 def _exactly(count: int, records: Iterator[SegmentPayload]) -> Iterator[SegmentPayload]:
@@ -87,6 +94,20 @@ def decode_lazily(plan: Plan, data: bytes) -> tuple[Payload, Iterator[SegmentPay
   Raises:
     PayloadError: as :func:`decode`, from this call or while iterating.
   """
+  header, reader = read_header(plan, data)
+  if header.format == Format.PACKED:
+    raise PayloadError("a packed (format 3) payload has no per-segment records: apply it with "
+                       "Receiver.receive")
+  return header, checked_records(plan, header, reader)
+
+
+def read_header(plan: Plan, data: bytes) -> tuple[Payload, Reader]:
+  """The checked header of payload ``data`` (a :class:`Payload` without segments: checksum,
+  magic, format, plan and versions checked) and a reader at the start of its body.
+
+  Raises:
+    PayloadError: as :func:`decode`, for the header and the checksum.
+  """
   if not isinstance(data, (bytes, bytearray, memoryview)):
     raise PayloadError(f"payload must be bytes, got {type(data).__name__}")
   data = bytes(data)  # immutable (no copy of bytes): decoded arrays may view it
@@ -102,19 +123,23 @@ def decode_lazily(plan: Plan, data: bytes) -> tuple[Payload, Iterator[SegmentPay
   (_, fmt, kind, _, fingerprint, base_version, version, base_digest, new_digest,
    num_segments) = HEADER.unpack(reader.take(HEADER.size, "header"))
   if fmt not in tuple(Format):
-    raise PayloadError(f"payload format {fmt} is not supported (this jsparse reads 1 and 2)")
+    raise PayloadError(f"payload format {fmt} is not supported (this jsparse reads 1 to 3)")
   if kind not in tuple(Kind):
     raise PayloadError(f"unknown payload kind {kind}")
   if fingerprint != plan.fingerprint:
-    raise PayloadError("payload was made for another plan (fingerprint differs)")
+    raise PayloadError("payload was made for another plan (fingerprint differs): make the "
+                       "rollout's plan with make_plan from the same tree (or its shapes) and "
+                       "the same options as the trainer's")
   if num_segments != len(plan.segments):
     raise PayloadError(f"payload has {num_segments} segments, the plan {len(plan.segments)}")
   header = Payload(Kind(kind), base_version, version, base_digest, new_digest, (), Format(fmt))
   check_versions(header)
-  return header, _checked_records(plan, header, reader)
+  return header, reader
 
 
-def _checked_records(plan: Plan, header: Payload, reader: Reader) -> Iterator[SegmentPayload]:
+def checked_records(plan: Plan, header: Payload, reader: Reader) -> Iterator[SegmentPayload]:
+  """The records of a body of format 1 or 2 after ``read_header``, each checked as it comes;
+  then the checks that span the payload."""
   modes = []
   for s, record in enumerate(_BODIES[header.format].iter_body(plan, reader)):
     check_record(plan, header, s, record)

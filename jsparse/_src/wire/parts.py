@@ -156,7 +156,9 @@ def read_index(plan: Plan, data) -> PartIndex:
   if zlib.crc32(head + table) != crc:
     raise PayloadError("part header checksum mismatch: corrupted or truncated")
   if fingerprint != plan.fingerprint:
-    raise PayloadError("part was made for another plan (fingerprint differs)")
+    raise PayloadError("part was made for another plan (fingerprint differs): make the "
+                       "rollout's plan with make_plan from the same tree (or its shapes) and "
+                       "the same options as the trainer's")
   if fmt not in tuple(Format) or kind not in tuple(Kind) or flags & ~_RANKED:
     raise PayloadError(f"part format {fmt}, kind {kind} or flags {flags} not supported")
   if not 0 <= part < parts <= MAX_PARTS:

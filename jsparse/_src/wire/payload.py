@@ -39,6 +39,7 @@ class Format(enum.IntEnum):
   """The body layout of a payload on the wire."""
   LISTS = 1    # per chunk uint16 positions (or a bitmap) and raw new bits: 4 B/change for bf16
   COMPACT = 2  # gap-coded ranks or positions and ulp codes, zstd'd: ~1 B/change on RL updates
+  PACKED = 3   # the same keys and codes bit-packed on the device: ~1 B/change, no host coding
 
 
 class Kind(enum.IntEnum):
@@ -60,6 +61,7 @@ class Mode(enum.IntEnum):
 FORMAT_MODES = {
     Format.LISTS: frozenset({Mode.EMPTY, Mode.LIST, Mode.BITMAP, Mode.DENSE}),
     Format.COMPACT: frozenset({Mode.EMPTY, Mode.DENSE, Mode.BY_RANK, Mode.BY_POSITION}),
+    Format.PACKED: frozenset({Mode.EMPTY, Mode.DENSE, Mode.BY_RANK, Mode.BY_POSITION}),
 }
 
 
@@ -75,6 +77,10 @@ class Coding(str, enum.Enum):
     better choice where the device passes, not the bytes, decide.
   - ``LISTS``: format 1, positions and raw new bits: 4 B/change for 16-bit dtypes, the least
     device work; for fast links.
+  - ``PACKED``: format 3, the keys of ``RANKED`` and its ulp codes bit-packed in blocks of 32
+    by the device (``device_codes.py``): ~1 B/change, and the host does no per-change work,
+    only moves the packed words; for accelerators and fast links. :meth:`Sender.send` and
+    :meth:`Receiver.receive` carry it; parts and streams of a packed sender carry ``RANKED``.
 
   >>> import jsparse
   >>> coding = jsparse.Coding("positioned")
@@ -84,14 +90,21 @@ class Coding(str, enum.Enum):
   RANKED = "ranked"
   POSITIONED = "positioned"
   LISTS = "lists"
+  PACKED = "packed"
 
   @property
   def format(self) -> Format:
-    return Format.LISTS if self is Coding.LISTS else Format.COMPACT
+    return {Coding.LISTS: Format.LISTS, Coding.PACKED: Format.PACKED}.get(self, Format.COMPACT)
 
   @property
   def ranked(self) -> bool:
-    return self is Coding.RANKED
+    return self in (Coding.RANKED, Coding.PACKED)
+
+  @property
+  def records(self) -> "Coding":
+    """The coding of this coding's per-record payloads (parts, streams, decoded payloads):
+    ``PACKED`` has none of its own and uses ``RANKED``'s."""
+    return Coding.RANKED if self is Coding.PACKED else self
 
 
 @dataclasses.dataclass(frozen=True)

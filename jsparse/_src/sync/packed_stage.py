@@ -1,0 +1,181 @@
+"""The packed coding's stages: a sender's changes to a format-3 body, a body to a receiver's
+device inputs. The device codes; the host moves words.
+
+Sender (:func:`packed_body`): each chunk with changes runs ``pack_program`` on the device (all
+chunks are dispatched first, so the device packs chunk ``k + 1`` while the host copies chunk
+``k``); the host then copies only the used prefix of each stream (sliced on the device at one
+of a few sizes, at most 1/8 more than used) and frames it. Receiver (:func:`receiver_inputs`):
+each chunk's streams are padded to the chunk's static slot sizes, put on the device of its
+leaves, unpacked and checked there (one flag per chunk, read before anything is applied), and
+replicated over the devices of each segment's leaves, as ``staging.py`` does for the other
+formats.
+
+>>> import jax.numpy as jnp, jsparse
+>>> params = {'w': jnp.zeros(1000)}
+>>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+>>> sender = jsparse.Sender(plan, params, coding="packed")
+>>> receiver = jsparse.Receiver(plan, plan.cast(params))
+>>> data = sender.send({'w': params['w'].at[3].set(1.0).at[500].set(-2.0)})
+>>> p = receiver.receive(data)
+>>> float(p['w'][3]), float(p['w'][500]), len(data)
+(1.0, -2.0, 87)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse._src.core import bitpack
+from jsparse._src.core.chunks import chunks_of
+from jsparse._src.core.placement import replicated_on
+from jsparse._src.core.plan import Plan
+from jsparse._src.core.units import local_value
+from jsparse._src.errors import PayloadError
+from jsparse._src.sync import programs
+from jsparse._src.sync.programs import DeviceChanges, ReceiverInputs
+from jsparse._src.sync.staging import replicated_copies
+from jsparse._src.wire import device_codes, packed
+from jsparse._src.wire.payload import Mode, segment_host_bits
+
+
+def copy_size(n: int) -> int:
+  """The size a prefix of ``n`` elements is copied at: ``n`` rounded up to 16, or to 3
+  significant bits, so that few slice programs compile (about 8 per doubling).
+
+  >>> [copy_size(n) for n in (0, 5, 17, 100, 1000, 1025)]
+  [16, 16, 18, 104, 1024, 1152]
+  """
+  if n <= 16:
+    return 16
+  step = 1 << max(0, n.bit_length() - 4)
+  return -(-n // step) * step
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _prefix(x: jax.Array, size: int) -> jax.Array:
+  return x[:size]
+
+
+def _host_prefix(x: jax.Array, n: int) -> np.ndarray:
+  """The first ``n`` elements of device array ``x`` on the host, copying about ``n``."""
+  size = copy_size(n)
+  if size >= x.shape[0]:
+    return np.asarray(x)[:n]
+  return np.asarray(_prefix(x, size))[:n]
+
+
+def _replicated(tree):
+  """``tree``'s arrays whole on each of their devices: the slots of a leaf the trainer splits
+  into blocks are laid out like it (they are small: a few per cent of the leaf)."""
+  def whole(x):
+    if x is None or x.sharding.is_fully_replicated:
+      return x
+    return jax.device_put(x, replicated_on(x))
+  return jax.tree.map(whole, tree)
+
+
+def segment_modes(plan: Plan, counts: np.ndarray, overflow: np.ndarray, full: bool
+                  ) -> tuple[Mode, ...]:
+  """Each segment's record mode in a packed payload."""
+  return tuple(Mode.DENSE if full or overflow[s] else Mode.EMPTY if not counts[s]
+               else Mode.BY_RANK if seg.ordered else Mode.BY_POSITION
+               for s, seg in enumerate(plan.segments))
+
+
+def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool) -> bytes:
+  """The format-3 body of a sender's ``changes`` (``snapshot``: the new rollout leaves, for
+  dense segments)."""
+  counts = local_value(changes.delta.counts).astype(np.int64)
+  overflow = local_value(changes.delta.overflow)
+  modes = segment_modes(plan, counts, overflow, full)
+  sparse = np.array([m in (Mode.BY_RANK, Mode.BY_POSITION) for m in modes], bool)
+  counts = np.where(sparse, counts, 0)
+  chunks = chunks_of(plan)
+  launched = []
+  for c in chunks:  # dispatch every chunk first: the device packs while the host copies
+    ids = list(c.segment_ids)
+    if not counts[ids].sum():
+      launched.append(None)
+      continue
+    keys = tuple(changes.ranks[s] if plan.segments[s].ordered else changes.delta.indices[s]
+                 for s in ids)
+    block_counts = tuple(changes.block_counts[s] if changes.block_counts else None for s in ids)
+    inputs = _replicated((keys, tuple(changes.delta.values[s] for s in ids),
+                          tuple(changes.old_values[s] for s in ids), block_counts))
+    launched.append(device_codes.pack_program(c.plan, *inputs[:3], counts[ids].astype(np.int32),
+                                              inputs[3]))
+  streams = []
+  for c, out in zip(chunks, launched):
+    if out is None:
+      streams.append(None)
+      continue
+    ids = list(c.segment_ids)
+    key_widths, key_words, key_used, code_widths, code_words, code_used = out
+    n_keys = int(counts[ids].sum())
+    n_codes = sum(int(counts[s]) * device_codes.values_per_change(plan.segments[s])
+                  for s in ids)
+    streams.append((_host_prefix(key_widths, bitpack.num_blocks(n_keys)),
+                    _host_prefix(key_words, int(key_used)),
+                    _host_prefix(code_widths, bitpack.num_blocks(n_codes)),
+                    _host_prefix(code_words, int(code_used))))
+  block_counts = {s: local_value(changes.block_counts[s]) for s in np.flatnonzero(sparse)
+                  if plan.segments[s].blocks > 1}
+  return packed.encode_body(plan, modes, counts, block_counts, streams,
+                            lambda s: segment_host_bits(plan, s, snapshot))
+
+
+def _padded(values: np.ndarray | None, size: int, dtype: np.dtype) -> np.ndarray:
+  out = np.zeros(size, dtype)
+  if values is not None:
+    out[:len(values)] = values
+  return out
+
+
+def _block_starts(blocks: int, counts: np.ndarray | None) -> np.ndarray | None:
+  """Where each block's run starts among a split segment's changes (None: not split)."""
+  if blocks == 1:
+    return None
+  counts = np.zeros(blocks, np.int64) if counts is None else counts
+  return (np.cumsum(counts) - counts).astype(np.int32)
+
+
+def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
+                    ) -> ReceiverInputs:
+  """The :class:`~programs.ReceiverInputs` of a checked format-3 ``body`` for a receiver
+  holding ``flat``, on its devices.
+
+  Raises:
+    PayloadError: a key out of range or out of order, or a code too wide for its dtype.
+  """
+  slots = programs.slots_needed(plan, body.counts)
+  shardings = [replicated_on(flat[seg.leaf_ids[0]]) for seg in plan.segments]
+  keys, values = [None] * len(plan.segments), [None] * len(plan.segments)
+  checks = []
+  for c, stream in zip(chunks_of(plan), body.streams):
+    ids = list(c.segment_ids)
+    chunk_slots = tuple(slots[s] for s in ids)
+    n_keys, n_codes = device_codes.stream_sizes(c.plan, chunk_slots)
+    stream = stream or (None,) * 4
+    host = (_padded(stream[0], bitpack.num_blocks(n_keys), np.uint8),
+            _padded(stream[1], bitpack.num_blocks(n_keys) * bitpack.BLOCK + 1, np.uint32),
+            _padded(stream[2], bitpack.num_blocks(n_codes), np.uint8),
+            _padded(stream[3], bitpack.num_blocks(n_codes) * bitpack.BLOCK + 1, np.uint32))
+    starts = tuple(_block_starts(plan.segments[s].blocks, body.block_counts[s]) for s in ids)
+    device = next(iter(shardings[ids[0]].addressable_devices_indices_map((0,))))
+    with jax.default_device(device):
+      chunk_keys, chunk_values, ok = device_codes.unpack_program(
+          c.plan, chunk_slots, *host, body.counts[ids], starts)
+    checks.append(ok)
+    for s, k, v in zip(ids, chunk_keys, chunk_values):
+      keys[s], values[s] = k, v
+  if not all(bool(ok) for ok in checks):
+    raise PayloadError("a packed payload names a change out of range or out of order, or "
+                       "codes a value wider than its dtype")
+  placed = replicated_copies(keys + values, shardings * 2)
+  return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), body.counts,
+                        tuple(seg.ordered for seg in plan.segments), True)

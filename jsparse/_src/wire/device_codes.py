@@ -1,0 +1,210 @@
+"""The packed coding's device programs: a chunk's changes to packed words, and back.
+
+The sender's :func:`pack_program` takes a chunk's changes in their slots (keys: ranks in the
+exponent-class order for ordered segments, else positions; new and old bits) and returns two
+bit-packed streams (``core/bitpack.py``): the *key gaps* (per run of ascending keys: the first
+key, then each key minus the previous minus 1) and the *value codes* (the ulp code against the
+old bits, zigzagged, minus 1: a changed element's code is never 0; 64-bit dtypes give two
+32-bit values per change, low half first). A segment is one run, except a leaf the trainer
+splits into blocks, where each block's changes are a run of their own (ascending within the
+block). Ranks come from the diff in position order; a stable counting sort by exponent class
+(a one-hot prefix sum over 16 classes) puts them in ascending order. The receiver's
+:func:`unpack_program` inverts this and checks every key (in range, ascending) and code (fits
+the dtype) on the device, returning one flag, so the host never touches a change.
+
+>>> import jax.numpy as jnp
+>>> old = jnp.array([0x3F80, 0x3F80, 0x0001], jnp.uint16)  # bf16 1.0, 1.0, the least subnormal
+>>> new = jnp.array([0x3F81, 0x3F7F, 0x8000], jnp.uint16)  # one ulp up, one down, -0.0
+>>> z = value_codes(old, new, jnp.bfloat16)  # +1, -1, -2 ulps
+>>> z.tolist(), from_value_codes(z, jnp.uint16).tolist()
+([1, 0, 2], [1, 65535, 65534])
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jsparse._src.core import bitpack
+from jsparse._src.core.plan import Plan, Segment
+from jsparse._src.wire import ulp_codes
+
+NUM_CLASSES = ulp_codes.NUM_CLASSES
+
+
+def values_per_change(seg: Segment) -> int:
+  """32-bit values a change's code takes in the codes stream (2 for 64-bit dtypes)."""
+  return 2 if seg.bit_dtype.itemsize == 8 else 1
+
+
+def _signed(dtype: np.dtype) -> np.dtype:
+  return np.dtype(f"int{8 * np.dtype(dtype).itemsize}")
+
+
+def value_codes(old: jax.Array, new: jax.Array, dtype: np.dtype) -> jax.Array:
+  """Zigzagged ulp codes minus 1 of changed elements (unsigned ints of the bit width)."""
+  codes = ulp_codes.ulp_codes(old, new, np.dtype(dtype), jnp)
+  width = 8 * codes.dtype.itemsize
+  signed = lax.bitcast_convert_type(codes, _signed(codes.dtype))
+  zigzag = lax.bitcast_convert_type((signed << 1) ^ (signed >> (width - 1)), codes.dtype)
+  return zigzag - codes.dtype.type(1)
+
+
+def from_value_codes(z: jax.Array, bit_dtype: np.dtype) -> jax.Array:
+  """Inverse of :func:`value_codes`: the ulp codes (modular, of ``bit_dtype``)."""
+  zigzag = (z + 1).astype(bit_dtype)
+  return (zigzag >> 1) ^ (jnp.zeros_like(zigzag) - (zigzag & 1))
+
+
+def _as_words(z: jax.Array) -> jax.Array:
+  """``uint32[n, k]``: each code as ``k`` 32-bit values, low half first."""
+  if z.dtype.itemsize < 8:
+    return z.astype(jnp.uint32)[:, None]
+  return jnp.stack([(z & 0xFFFFFFFF).astype(jnp.uint32), (z >> 32).astype(jnp.uint32)], axis=1)
+
+
+def _from_words(words: jax.Array, bit_dtype: np.dtype) -> jax.Array:
+  """Inverse of :func:`_as_words`."""
+  if words.shape[1] == 1:
+    return words[:, 0]
+  return words[:, 0].astype(bit_dtype) | (words[:, 1].astype(bit_dtype) << 32)
+
+
+def class_order(classes: jax.Array, used: jax.Array) -> jax.Array:
+  """Where each used entry goes when ``used`` entries are sorted stably by ``classes`` (0..15):
+  a counting sort by one-hot prefix sums, no sort."""
+  one_hot = ((classes[:, None].astype(jnp.int32) == jnp.arange(NUM_CLASSES)[None, :])
+             & used[:, None]).astype(jnp.int32)
+  running = jnp.cumsum(one_hot, axis=0)
+  total = running[-1]
+  below = jnp.cumsum(total) - total
+  cls = classes.astype(jnp.int32)
+  return below[cls] + jnp.take_along_axis(running, cls[:, None], axis=1)[:, 0] - 1
+
+
+def _gaps(keys: jax.Array) -> jax.Array:
+  """Gaps of ascending ``keys`` along the last axis (the first key, then differences - 1)."""
+  previous = jnp.concatenate([jnp.full(keys.shape[:-1] + (1,), -1, keys.dtype), keys[..., :-1]],
+                             axis=-1)
+  return (keys - previous - 1).astype(jnp.uint32)
+
+
+def _segment_entries(seg: Segment, keys: jax.Array, new: jax.Array, old: jax.Array,
+                     count: jax.Array, block_counts: jax.Array | None):
+  """A segment's (gaps, codes ``uint32[n, k]``, index in the segment's run of entries or -1
+  for unused slots), all per slot."""
+  codes = _as_words(value_codes(old, new, seg.dtype))
+  if seg.blocks > 1:  # each block's slots hold its changes, ascending: a run each
+    per_block = keys.shape[0] // seg.blocks
+    shaped = keys[:per_block * seg.blocks].reshape(seg.blocks, per_block)
+    slot = jnp.arange(per_block, dtype=jnp.int32)[None, :]
+    start = jnp.cumsum(block_counts) - block_counts
+    index = jnp.where((slot < block_counts[:, None]) & (count > 0), start[:, None] + slot,
+                      -1).reshape(-1)
+    return _gaps(shaped).reshape(-1), codes[:index.shape[0]], index
+  used = jnp.arange(keys.shape[0], dtype=jnp.int32) < count
+  if seg.ordered:  # ranks, in position order: ascending once sorted by class
+    order = class_order(ulp_codes.exponent_class(old, seg.dtype, jnp), used)
+  else:
+    order = jnp.arange(keys.shape[0], dtype=jnp.int32)
+  order = jnp.where(used, order, keys.shape[0])
+  keys = jnp.zeros_like(keys).at[order].set(keys, mode="drop")
+  codes = jnp.zeros_like(codes).at[order].set(codes, mode="drop")
+  return _gaps(keys), codes, jnp.where(used, jnp.arange(keys.shape[0], dtype=jnp.int32), -1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def pack_program(plan: Plan, keys: tuple, new: tuple, old: tuple, counts: jax.Array,
+                 block_counts: tuple) -> tuple:
+  """A chunk's changes as ``(key widths, key words, used key words, code widths, code words,
+  used code words)`` (see :func:`~jsparse._src.core.bitpack.pack`). ``counts``: per segment,
+  the changes to code (0 for segments carried densely or empty); ``block_counts``: per
+  segment split into blocks, its changes per block (else None)."""
+  gap_parts, code_parts = [], []
+  key_start, code_start = jnp.int32(0), jnp.int32(0)
+  total_keys = sum(k.shape[0] for k in keys)
+  total_codes = sum(k.shape[0] * values_per_change(seg) for k, seg in zip(keys, plan.segments))
+  gap_stream = jnp.zeros((total_keys,), jnp.uint32)
+  code_stream = jnp.zeros((total_codes,), jnp.uint32)
+  for s, seg in enumerate(plan.segments):
+    count = counts[s]
+    gaps, codes, index = _segment_entries(seg, keys[s], new[s], old[s], count,
+                                          block_counts[s])
+    k = values_per_change(seg)
+    at = jnp.where(index >= 0, key_start + index, total_keys)
+    gap_stream = gap_stream.at[at].set(gaps, mode="drop")
+    code_at = jnp.where(index[:, None] >= 0,
+                        code_start + index[:, None] * k + jnp.arange(k)[None, :], total_codes)
+    code_stream = code_stream.at[code_at.reshape(-1)].set(codes.reshape(-1), mode="drop")
+    key_start, code_start = key_start + count, code_start + count * k
+  return (*bitpack.pack(gap_stream, key_start), *bitpack.pack(code_stream, code_start))
+
+
+def _segment_keys(seg: Segment, gaps: jax.Array, start: jax.Array, count: jax.Array,
+                  block_starts: jax.Array | None, slots: int) -> tuple[jax.Array, jax.Array]:
+  """A segment's keys in ``slots`` slots (the segment size past ``count``) from the gaps
+  stream, and whether they are well formed (in range, ascending within each run)."""
+  index = jnp.arange(slots, dtype=jnp.int32)
+  used = index < count
+  g = jnp.where(used, jnp.take(gaps, start + index, mode="fill", fill_value=0), 0)
+  step = g + jnp.uint32(1)
+  running = jnp.cumsum(step)  # modulo 2**32: a wrap needs a key past the size first
+  if block_starts is not None:
+    run = jnp.sum(index[:, None] >= block_starts[None, :], axis=1) - 1
+    first = jnp.clip(block_starts[jnp.maximum(run, 0)], 0, slots - 1)
+    running = running - (running[first] - step[first])
+  keys = running - jnp.uint32(1)
+  size = jnp.uint32(seg.size)
+  ok = jnp.all(~used | ((g < size) & (keys < size)))
+  return jnp.where(used, keys.astype(jnp.int32), seg.size), ok
+
+
+def _segment_values(seg: Segment, codes: jax.Array, start: jax.Array, count: jax.Array,
+                    slots: int) -> tuple[jax.Array, jax.Array]:
+  """A segment's ulp codes in ``slots`` slots (0 past ``count``) from the codes stream, and
+  whether each fits the dtype."""
+  k = values_per_change(seg)
+  index = jnp.arange(slots, dtype=jnp.int32)
+  used = index < count
+  at = start + index[:, None] * k + jnp.arange(k)[None, :]
+  words = jnp.take(codes, at, mode="fill", fill_value=0)
+  z = _from_words(words, seg.bit_dtype)
+  top = np.iinfo(seg.bit_dtype).max
+  ok = jnp.all(~used | (z < seg.bit_dtype.type(top)))  # z + 1 must not wrap to 0
+  return jnp.where(used, from_value_codes(z, seg.bit_dtype), seg.bit_dtype.type(0)), ok
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def unpack_program(plan: Plan, slots: tuple[int, ...], key_widths: jax.Array,
+                   key_words: jax.Array, code_widths: jax.Array, code_words: jax.Array,
+                   counts: jax.Array, block_starts: tuple) -> tuple:
+  """Inverse of :func:`pack_program` for a receiver: ``(keys, ulp codes, ok)``, per segment in
+  ``slots[s]`` slots (keys: the segment size in unused slots), and whether every key and code
+  is well formed. ``counts``: per segment, its changes in the streams (0: none);
+  ``block_starts``: per segment split into blocks, where each block's run starts among the
+  segment's changes (else None). The widths must be checked (at most 32) on the host."""
+  total_keys = sum(slots)
+  total_codes = sum(n * values_per_change(seg) for n, seg in zip(slots, plan.segments))
+  per_change = jnp.array([values_per_change(seg) for seg in plan.segments], jnp.int32)
+  key_start = jnp.cumsum(counts) - counts
+  code_start = jnp.cumsum(counts * per_change) - counts * per_change
+  gaps = bitpack.unpack(key_widths, key_words, jnp.sum(counts), total_keys)
+  codes = bitpack.unpack(code_widths, code_words, jnp.sum(counts * per_change), total_codes)
+  keys_out, values_out, ok = [], [], jnp.bool_(True)
+  for s, (seg, n) in enumerate(zip(plan.segments, slots)):
+    keys, keys_ok = _segment_keys(seg, gaps, key_start[s], counts[s], block_starts[s], n)
+    values, values_ok = _segment_values(seg, codes, code_start[s], counts[s], n)
+    keys_out.append(keys)
+    values_out.append(values)
+    ok = ok & keys_ok & values_ok
+  return tuple(keys_out), tuple(values_out), ok
+
+
+def stream_sizes(plan: Plan, slots: Sequence[int]) -> tuple[int, int]:
+  """The static lengths (keys, codes) of a chunk's streams at ``slots``."""
+  return (sum(slots), sum(n * values_per_change(seg) for n, seg in zip(slots, plan.segments)))

@@ -1,0 +1,199 @@
+"""The packed coding (format 3): bit packing on the device, exact syncs, hostile bodies refused,
+TPU-friendly programs, and its size against the compact format."""
+
+import re
+import struct
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jsparse
+from jsparse._src.core import bitpack
+from jsparse._src.core.chunks import chunks_of
+from jsparse._src.wire import device_codes, framing
+from jsparse.benchmarks.scale import layered_tree, rl_like_update
+from jsparse.testing import assert_trees_bitwise_equal, special_values
+
+
+@st.composite
+def _values(draw):
+  """uint32 values of mixed magnitudes (whole blocks of small ones, single huge ones)."""
+  n = draw(st.integers(0, 200))
+  bits = draw(st.lists(st.integers(0, 32), min_size=n, max_size=n))
+  raw = draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n))
+  values = np.array([r & ((1 << b) - 1) for r, b in zip(raw, bits)], np.uint32)
+  return values, draw(st.integers(0, n))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_values())
+def test_bitpack_round_trips_any_values_and_counts_its_words_like_the_host(case):
+  values, count = case
+  size = max(1, len(values))
+  values = np.pad(values, (0, size - len(values)))
+  widths, words, used = bitpack.pack(jnp.asarray(values), count)
+  assert int(used) == bitpack.num_words(np.asarray(widths), count)
+  assert not np.asarray(words)[int(used):].any()  # nothing written past the used words
+  out = bitpack.unpack(widths, words[:int(used)], count, size)  # reads past the end: 0 bits
+  expected = np.where(np.arange(size) < count, values, 0)
+  np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+def test_bitpack_keeps_full_width_values():
+  values = jnp.array([0xFFFFFFFF, 0, 0x80000000, 1] * 20, jnp.uint32)
+  widths, words, used = bitpack.pack(values, 80)
+  assert np.asarray(widths).tolist() == [32, 32, 32]
+  np.testing.assert_array_equal(np.asarray(bitpack.unpack(widths, words, 80, 80)), values)
+
+
+def _special_tree():
+  tree = {}
+  for name, dtype in (("bf", jnp.bfloat16), ("f32", jnp.float32), ("f16", jnp.float16)):
+    values = special_values(dtype)
+    tree[name] = np.resize(values, 3000).astype(dtype)
+  tree["i8"] = np.arange(3000, dtype=np.int8)
+  tree["flag"] = np.arange(3000) % 3 == 0
+  tree["small"] = np.linspace(-1, 1, 7).astype(np.float32)
+  return tree
+
+
+def _shuffled(tree, seed):
+  """Every leaf's elements permuted: special values move onto each other's slots."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for k, v in tree.items():
+    v = np.array(v)
+    sel = rng.random(v.shape) < 0.1
+    v[sel] = rng.permutation(v[sel])
+    out[k] = v
+  return out
+
+
+def test_packed_sync_is_bit_exact_on_special_values_and_matches_ranked():
+  tree = _special_tree()
+  plan = jsparse.make_plan(tree, capacity=0.2)
+  senders = {c: jsparse.Sender(plan, tree, coding=c) for c in ("packed", "ranked")}
+  receivers = {c: jsparse.Receiver(plan, tree) for c in senders}
+  for step in range(1, 4):
+    new = _shuffled(tree, step)
+    for coding in senders:
+      receivers[coding].receive(senders[coding].send(new))
+    assert_trees_bitwise_equal(receivers["packed"].params, plan.cast(new))
+    tree = new
+  assert senders["packed"].last_stats.changed > 0
+
+
+def test_packed_sync_is_bit_exact_on_64_bit_leaves():
+  with jax.enable_x64(True):
+    tree = {"d": np.resize(special_values(np.float64), 4096), "q": np.arange(4096, dtype=np.int64)}
+    plan = jsparse.make_plan(tree, capacity=0.3)
+    sender = jsparse.Sender(plan, tree, coding="packed")
+    receiver = jsparse.Receiver(plan, tree)
+    new = _shuffled(tree, 7)
+    new["q"] = new["q"] + (np.arange(4096) % 5 == 0) * (2**40)
+    receiver.receive(sender.send(new))
+    assert_trees_bitwise_equal(receiver.params, new)
+
+
+def _body_offset():
+  return framing.HEADER.size
+
+
+def _reframed(data: bytes, body: bytes) -> bytes:
+  """``data``'s header around another body, with a valid checksum: what a buggy or hostile
+  sender could produce."""
+  head = data[:_body_offset()]
+  return head + body + struct.pack("<I", zlib.crc32(head + body))
+
+
+@pytest.fixture(scope="module")
+def one_change():
+  params = {"w": jnp.zeros(1000)}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  sender = jsparse.Sender(plan, params, coding="packed")
+  data = sender.send({"w": params["w"].at[3].set(1.0).at[500].set(-2.0)})
+  return plan, params, data
+
+
+def _refused(plan, params, data, match, error=jsparse.PayloadError):
+  receiver = jsparse.Receiver(plan, plan.cast(params), donate=False)
+  with pytest.raises(error, match=match):
+    receiver.receive(data)
+  assert receiver.version == 0
+  assert_trees_bitwise_equal(receiver.params, plan.cast(params))
+
+
+def test_corrupt_and_truncated_packed_payloads_are_refused(one_change):
+  plan, params, data = one_change
+  body = data[_body_offset():-4]
+  _refused(plan, params, data[:-9], "checksum|truncated")
+  _refused(plan, params, data[:50] + bytes([data[50] ^ 1]) + data[51:], "checksum")
+  # Valid checksums around broken bodies: each is refused before anything is written.
+  table, keys_blocks = body[:5], body[5:9]
+  key_width = body[9]
+  _refused(plan, params, _reframed(data, body[:-1]), "truncated")
+  _refused(plan, params, _reframed(data, body + b"\0"), "unexpected bytes")
+  _refused(plan, params, _reframed(data, table + struct.pack("<I", 2) + body[9:]), "blocks")
+  _refused(plan, params, _reframed(data, body[:9] + bytes([33]) + body[10:]), "width 33")
+  wider = body[:9] + bytes([key_width + 20]) + body[10:]  # needs more words than sent
+  _refused(plan, params, _reframed(data, wider), "truncated|unexpected|blocks")
+  # Well framed, but other keys: the end-to-end digest refuses what the device checks allow.
+  other = body[:9] + bytes([key_width + 1]) + body[10:]
+  _refused(plan, params, _reframed(data, other), "end-to-end", jsparse.IntegrityError)
+  assert keys_blocks == struct.pack("<I", 1)
+
+
+def test_keys_out_of_range_are_refused_on_the_device(one_change):
+  plan, params, data = one_change
+  body = bytearray(data[_body_offset():-4])
+  # The keys stream: block count, width, then the words of the two gaps (3 then 496).
+  width = body[9]
+  words = np.frombuffer(bytes(body[10:10 + 4 * ((2 * width + 31) // 32)]), "<u4").copy()
+  words[:] = 0xFFFFFFFF  # every gap at its widest: the second key lands past the leaf
+  body[10:10 + words.nbytes] = words.tobytes()
+  _refused(plan, params, _reframed(data, bytes(body)), "out of range")
+
+
+def test_packed_programs_are_tpu_friendly():
+  """No sort, no 64-bit integers, no loops and no host callbacks in the lowered programs."""
+  tree = layered_tree(16, 64)
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, capacity=0.05)
+  chunk = chunks_of(plan)[0]
+  segs = chunk.plan.segments
+  keys = tuple(jnp.zeros((s.capacity,), jnp.int32) for s in segs)
+  bits = tuple(jnp.zeros((s.capacity,), s.bit_dtype) for s in segs)
+  counts = np.zeros(len(segs), np.int32)
+  blocks = tuple(None for _ in segs)
+  texts = [device_codes.pack_program.lower(chunk.plan, keys, bits, bits, counts,
+                                           blocks).as_text()]
+  slots = tuple(s.capacity for s in segs)
+  n_keys, n_codes = device_codes.stream_sizes(chunk.plan, slots)
+  texts.append(device_codes.unpack_program.lower(
+      chunk.plan, slots, jnp.zeros(bitpack.num_blocks(n_keys), jnp.uint8),
+      jnp.zeros(n_keys + 33, jnp.uint32), jnp.zeros(bitpack.num_blocks(n_codes), jnp.uint8),
+      jnp.zeros(n_codes + 33, jnp.uint32), counts, blocks).as_text())
+  for text in texts:
+    # Attributes (window sizes, paddings) are 64-bit whatever the program: only values count.
+    values = re.sub(r"dense<[^>]*>\s*:\s*tensor<[^>]*>|array<i64[^>]*>", "", text)
+    assert "tensor<" in values
+    for banned in ("stablehlo.sort", "stablehlo.while", "i64", "f64", "custom_call",
+                   "callback"):
+      assert banned not in values, banned
+
+
+def test_packed_bytes_stay_near_the_compact_format_on_an_rl_like_update():
+  tree = layered_tree(16, 256)
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, capacity=0.05)
+  new = rl_like_update(tree, seed=1)
+  sizes = {}
+  for coding in ("packed", "ranked", "positioned"):
+    sender = jsparse.Sender(plan, tree, coding=coding)
+    sizes[coding] = len(sender.send(new))
+    changed = sender.last_stats.changed
+  assert 0.002 < changed / plan.num_elements < 0.05
+  assert sizes["packed"] <= 1.5 * sizes["ranked"], sizes
+  assert sizes["packed"] / changed <= 1.4, sizes
