@@ -3,6 +3,7 @@ refused before they are decoded (what a version stages is bounded by the plan), 
 deliveries are serialized, and arguments of the wrong type get errors that say what was
 expected."""
 
+import logging
 import threading
 
 import jax.numpy as jnp
@@ -148,3 +149,27 @@ def _public_calls():
 def test_a_public_call_with_an_argument_of_the_wrong_type_says_what_it_expects(name):
   with pytest.raises(jsparse.JsparseError, match="must be"):
     _public_calls()[name]()
+
+
+def test_overflow_is_counted_and_logged_with_the_capacity_that_fits_at_most_once_a_minute(
+    caplog):
+  params = {'w': jnp.zeros(100_000), 'b': jnp.zeros(8)}
+  plan = jsparse.make_plan(params, capacity=0.01)
+  sender = jsparse.Sender(plan, params)
+  receiver = jsparse.Receiver(plan, sender.snapshot)
+  dense = {'w': jnp.ones(100_000).at[::2].set(0.0), 'b': jnp.zeros(8)}
+  with caplog.at_level(logging.WARNING, logger="jsparse"):
+    receiver.receive(sender.send(dense))
+    stats = sender.last_stats
+    receiver.receive(sender.send({'w': dense['w'] + 1.0, 'b': jnp.zeros(8)}))
+  assert (stats.overflowed_segments, stats.overflowed_changes) == (1, 50_000)
+  assert sender.last_stats.overflowed_changes == 100_000
+  warnings = [r.getMessage() for r in caplog.records if "densely" in r.getMessage()]
+  assert len(warnings) == 1, warnings  # the second overflow within the minute is counted
+  assert "['w']" in warnings[0] and "capacity=0.5 or capacity_slots=50000" in warnings[0]
+  sender._overflow_log.every_seconds = 0
+  with caplog.at_level(logging.WARNING, logger="jsparse"):
+    receiver.receive(sender.send({'w': dense['w'] + 2.0, 'b': jnp.zeros(8)}))
+  assert "1 more overflowed versions" in caplog.records[-1].getMessage()
+  assert_trees_bitwise_equal(receiver.params, plan.cast({'w': dense['w'] + 2.0,
+                                                         'b': jnp.zeros(8)}))

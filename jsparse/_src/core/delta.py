@@ -334,6 +334,21 @@ def apply(plan: Plan, base: PyTree, delta: Delta, *, donate: bool = False,
   return (out, ~jnp.any(jnp.asarray(delta.overflow))) if return_exact else out
 
 
+def capacity_that_fits(plan: Plan, s: int, changes: int) -> str:
+  """The ``make_plan`` options that would give segment ``s`` room for ``changes`` changes.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(100_000)})
+  >>> capacity_that_fits(plan, 0, 6_000)
+  'capacity=0.06 or capacity_slots=6000'
+  """
+  seg = plan.segments[s]
+  option = "capacity" if seg.blocks > 1 or (not seg.pooled and seg.size >= plan.bucket_size) \
+      else "pooled_capacity"
+  fraction = min(1.0, math.ceil(1000 * changes / seg.size) / 1000)
+  return f"{option}={fraction!r} or {option}_slots={changes}"
+
+
 def _check_overflow(plan: Plan, delta: Delta) -> None:
   """Raises unless every overflow flag of ``delta`` is known to be false (see :func:`apply`)."""
   if is_traced(delta.overflow) or is_traced(delta.counts):
@@ -351,15 +366,12 @@ def _check_overflow(plan: Plan, delta: Delta) -> None:
   slots = f"{seg.capacity:,} slot{'s' if seg.capacity != 1 else ''}" if seg.blocks == 1 else \
       f"{seg.blocks} blocks of {seg.capacity // seg.blocks:,} slots"
   others = f" and {len(flagged) - 1} more segment(s)" if len(flagged) > 1 else ""
-  option = "capacity" if seg.blocks > 1 or (not seg.pooled and seg.size >= plan.bucket_size) \
-      else "pooled_capacity"
   needed = int(counts[s])
-  fraction = min(1.0, math.ceil(1000 * needed / seg.size) / 1000)
   raise OverflowedDeltaError(
       f"delta overflowed in {plan.describe_segment(s)}{others}: {needed:,} changes for "
       f"{slots}, so apply would miss some. Sender and Receiver carry such segments densely by "
-      f"themselves; with the pure functions, make the plan with room for them ({option}="
-      f"{fraction!r} or {option}_slots={needed} would have held this one), or pass "
+      f"themselves; with the pure functions, make the plan with room for them "
+      f"({capacity_that_fits(plan, s, needed)} would have held this one), or pass "
       "return_exact=True to get (params, exact) and check exact")
 
 

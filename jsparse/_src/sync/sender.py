@@ -22,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse._src.core.delta import capacity_that_fits
 from jsparse._src.core.placement import commit_leaves, place_on_plan_layouts
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
@@ -57,7 +60,10 @@ class SendStats:
     changed: elements whose rollout bits changed.
     elements: elements in the whole tree.
     dense_bytes: bytes of the tree in rollout dtypes (what a dense sync sends).
-    overflowed_segments: segments carried densely because they overflowed their capacity.
+    overflowed_segments: segments carried densely because they overflowed their capacity
+      (a Sender logs which, and the capacity that would have held them; see
+      :class:`OverflowLog`).
+    overflowed_changes: the changes of those segments (sent as their whole segments).
     anchor: whether the payload is an anchor (every segment dense).
     payload_bytes: the payload's size (None after :meth:`Sender.payload`, which makes no bytes).
 
@@ -66,8 +72,8 @@ class SendStats:
   >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(100)})
   >>> _ = sender.send({'w': jnp.zeros(100).at[:3].set(1.0)})
   >>> stats = sender.last_stats
-  >>> stats.version, stats.changed, stats.density, stats.anchor
-  (1, 3, 0.03, False)
+  >>> stats.version, stats.changed, stats.density, stats.anchor, stats.overflowed_segments
+  (1, 3, 0.03, False, 0)
   """
 
   version: int
@@ -77,6 +83,7 @@ class SendStats:
   overflowed_segments: int
   anchor: bool
   payload_bytes: int | None = None
+  overflowed_changes: int = 0
 
   @property
   def density(self) -> float:
@@ -133,6 +140,7 @@ class Sender:
     self._owned: tuple | None = None  # the units this process sends in a part
     self._pieces: dict[int, tuple] = {}  # by chunk_bytes: this process's stream pieces
     self.last_stats: SendStats | None = None
+    self._overflow_log = OverflowLog()
 
   def state(self) -> SyncState:
     """What a restarted trainer needs to resume without a full resend. The arrays are the live
@@ -446,10 +454,13 @@ class Sender:
                       self.coding.ranked and not full, self.version, version, self.digest,
                       versioned_digest(new_bits, version), 0, 1)
     self.version, self._bits = version, new_bits  # the snapshot has moved: so do they
-    delta = changes.delta
-    self.last_stats = SendStats(version, int(np.sum(local_value(delta.counts))),
-                                self.plan.num_elements, self.plan.rollout_bytes,
-                                int(np.sum(local_value(delta.overflow))), full)
+    counts = local_value(changes.delta.counts).astype(np.int64)
+    overflowed = [] if full else np.flatnonzero(local_value(changes.delta.overflow)).tolist()
+    self.last_stats = SendStats(version, int(counts.sum()), self.plan.num_elements,
+                                self.plan.rollout_bytes, len(overflowed), full,
+                                overflowed_changes=int(counts[overflowed].sum()))
+    if overflowed:
+      self._overflow_log.report(self.plan, version, counts, overflowed)
     try:
       records = host_stage(changes, self._snapshot, full)
     except BaseException:
@@ -457,6 +468,44 @@ class Sender:
       raise
     self._needs_anchor = False
     return head, records
+
+
+class OverflowLog:
+  """A Sender's warnings about segments that overflowed their capacity (carried densely, so
+  exact, but dense): the first at once, then at most one per ``every_seconds`` with how many
+  versions overflowed in between. Each names the segments and the capacity that would have
+  held them.
+
+  >>> import logging, jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(100_000)}, capacity=0.01)
+  >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(100_000)})
+  >>> _ = sender.send({'w': jnp.ones(100_000).at[::2].set(0.0)})  # 50% changed: logged
+  >>> sender.last_stats.overflowed_segments, sender.last_stats.overflowed_changes
+  (1, 50000)
+  """
+
+  def __init__(self, every_seconds: float = 60.0):
+    self.every_seconds = every_seconds
+    self._last = -float("inf")
+    self._quiet = 0  # overflowed versions not logged since the last warning
+
+  def report(self, plan: Plan, version: int, counts: np.ndarray, overflowed: list) -> None:
+    now = time.monotonic()
+    if now - self._last < self.every_seconds:
+      self._quiet += 1
+      return
+    named = "; ".join(
+        f"{plan.describe_segment(s)}: {int(counts[s]):,} changes for "
+        f"{plan.segments[s].capacity:,} slots ({capacity_that_fits(plan, s, int(counts[s]))} "
+        "would fit)" for s in overflowed[:3])
+    more = f"; and {len(overflowed) - 3} more" if len(overflowed) > 3 else ""
+    quiet = f" ({self._quiet} more overflowed versions since the last warning)" \
+        if self._quiet else ""
+    logging.getLogger("jsparse").warning(
+        "jsparse: version %d carries %d segment(s) densely, over their capacity: %s%s%s. Exact, "
+        "but dense; SendStats.overflowed_segments counts them", version, len(overflowed),
+        named, more, quiet)
+    self._last, self._quiet = now, 0
 
 
 def _on_plan_layouts(plan: Plan, params: PyTree) -> list:
