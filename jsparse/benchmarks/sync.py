@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import time
+import zlib
 from typing import Any, Callable
 
 import jax
@@ -38,15 +39,15 @@ from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.chunks import chunks_of
 from jsparse._src.core.delta import apply_program, diff_program
 from jsparse._src.core.placement import layouts_of
-from jsparse._src.sync import programs, staging
-from jsparse._src.wire import framing
-from jsparse._src.wire.payload import (Coding, Kind, Payload, segment_host_bits,
+from jsparse._src.sync import packed_stage, programs, staging
+from jsparse._src.wire import framing, packed
+from jsparse._src.wire.payload import (Coding, Format, Kind, Payload, segment_host_bits,
                                        segment_records)
 
 LINKS_GBIT = (0.1, 1, 10, 100)
 METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + zstd",
            "jsparse format 1 (lists)", "jsparse format 2 (compact)",
-           "jsparse format 2, positioned")
+           "jsparse format 2, positioned", "jsparse format 3 (packed)")
 
 
 def _best(fn: Callable, setup: Callable[[], tuple] = tuple, repeats: int = 5) -> float:
@@ -184,10 +185,15 @@ def _jsparse(plan, before, after, repeats, coding):
   row = {"bytes": len(data),
          "encode": _best(lambda s: s.send(after), fresh_sender, repeats),
          "apply": _best(lambda r: r.receive(data), fresh_receiver, repeats)}
-  row.update(stage_times(plan, coding, snapshot, after, data, repeats))
+  if coding is Coding.PACKED:
+    row.update(packed_stage_times(plan, snapshot, after, data, repeats))
+    inputs = packed_stage.receiver_inputs(plan, jax.tree.leaves(snapshot),
+                                          _packed_body(plan, data))
+  else:
+    row.update(stage_times(plan, coding, snapshot, after, data, repeats))
+    inputs = staging.receiver_inputs(plan, jax.tree.leaves(snapshot),
+                                     *framing.decode_lazily(plan, data))
   flat = jax.tree.leaves(after)
-  inputs = staging.receiver_inputs(plan, jax.tree.leaves(snapshot),
-                                   *framing.decode_lazily(plan, data))
   layouts = layouts_of(plan, jax.tree.leaves(snapshot))
   row["temp"] = _chunk_temps(plan, coding, layouts, jax.tree.leaves(snapshot), flat, inputs)
   return row
@@ -225,6 +231,58 @@ def stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any, d
   return row
 
 
+def _packed_body(plan: jsparse.Plan, data: bytes) -> packed.PackedBody:
+  header, reader = framing.read_header(plan, data)
+  return packed.decode_body(plan, header.kind, reader)
+
+
+def packed_stage_times(plan: jsparse.Plan, snapshot: Any, after: Any, data: bytes,
+                       repeats: int = 5) -> dict:
+  """:func:`stage_times` of the packed coding, whose device passes are two more: the sender's
+  packing (``device_pack``) after the diff, the receiver's unpacking and checks
+  (``device_unpack``) before the apply; its host stages only move and frame words, held
+  against ``bytes_floor``: copying ``data``'s bytes from the device, their CRC32 and the copy
+  back."""
+  flat = jax.tree.leaves(after)
+  fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
+  device_stage = lambda snap, new: programs.sender_changes(plan, Coding.PACKED, snap, new)[0]
+  changes = device_stage(*fresh_snapshot())
+  rollout = jax.tree.leaves(snapshot)
+  packing = packed_stage.pack_chunks(plan, changes, False)
+  row = {"diff": _best(device_stage, fresh_snapshot, repeats),
+         "device_pack": _best(lambda: packed_stage.pack_chunks(plan, changes, False).launched,
+                              repeats=repeats)}
+  head = Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), (), Format.PACKED)
+  row["host_encode"] = _best(lambda: framing.frame(
+      plan, head, packed_stage.collect_body(plan, packing, changes, rollout)), repeats=repeats)
+  body = _packed_body(plan, data)
+  row["host_decode"] = _best(
+      lambda: packed_stage.stage_streams(plan, rollout, _packed_body(plan, data)).chunks,
+      repeats=repeats)
+  staged = packed_stage.stage_streams(plan, rollout, body)
+  row["device_unpack"] = _best(
+      lambda: packed_stage.unpack_streams(plan, rollout, staged, body.counts)[:2],
+      repeats=repeats)
+  inputs = packed_stage.unpack_streams(plan, rollout, staged, body.counts)
+  layouts = layouts_of(plan, rollout)
+  device_apply = lambda f: programs.apply_inputs(plan, layouts, f, inputs, donate=True)
+  row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
+  row["bytes_floor"] = bytes_floor(len(data), repeats)
+  return row
+
+
+def bytes_floor(size: int, repeats: int = 5) -> float:
+  """Seconds to move ``size`` bytes as a sync's host must at least: from the device to the
+  host, their CRC32, and back onto a device (best of ``repeats``)."""
+  on_device = jnp.asarray(np.arange(size, dtype=np.uint32).astype(np.uint8))
+
+  def move():
+    host = np.asarray(on_device)
+    zlib.crc32(host)
+    return jax.device_put(host)
+  return _best(move, repeats=repeats)
+
+
 def _chunk_temps(plan, coding, layouts, snapshot: list, new: list, inputs) -> int:
   """Compiled temporary bytes of the sender's diff plus the receiver's apply, for the largest
   chunk (the programs run chunk by chunk)."""
@@ -252,6 +310,7 @@ def compare_methods(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 
       METHODS[3]: _jsparse(plan, before, after, repeats, Coding.LISTS),
       METHODS[4]: _jsparse(plan, before, after, repeats, Coding.RANKED),
       METHODS[5]: _jsparse(plan, before, after, repeats, Coding.POSITIONED),
+      METHODS[6]: _jsparse(plan, before, after, repeats, Coding.PACKED),
   }
 
 
@@ -288,11 +347,14 @@ def print_report(plan: jsparse.Plan, steps: list[dict], rows: dict, step: int) -
         "Gbit/s:")
   for name, r in rows.items():
     print(f"  {name:<44}" + "  ".join(f"{base[g] / r['e2e'][g]:>6.1f}x" for g in LINKS_GBIT))
-  print("\njsparse parts (ms): jitted diff step | host encode | host decode | jitted apply")
+  print("\njsparse parts (ms): jitted diff step (+ pack) | host encode | host decode | "
+        "(unpack +) jitted apply")
   for name in METHODS[3:]:
     r = rows[name]
-    print(f"  {name:<44}{1e3 * r['diff']:>7.1f} |{1e3 * r['host_encode']:>7.1f} |"
-          f"{1e3 * r['host_decode']:>7.1f} |{1e3 * r['device_apply']:>7.1f}")
+    pack = f" +{1e3 * r['device_pack']:>5.1f}" if "device_pack" in r else " " * 7
+    unpack = f"{1e3 * r['device_unpack']:>5.1f} + " if "device_unpack" in r else " " * 8
+    print(f"  {name:<44}{1e3 * r['diff']:>7.1f}{pack} |{1e3 * r['host_encode']:>7.1f} |"
+          f"{1e3 * r['host_decode']:>7.1f} |{unpack}{1e3 * r['device_apply']:>5.1f}")
 
 
 def _floor(plan, base, new):
@@ -367,7 +429,17 @@ def print_device_ratios(name: str, compact: dict, core: dict) -> None:
   stage (diff, next snapshot, digest, ranks) against a jitted compare-and-count of the same
   trees, the receiver's (positions, apply, digest) against a jitted dense cast and copy."""
   floor, dense = core["compare-and-count (floor)"][0], core["dense bf16 copy"][0]
-  print(f"device passes ({name}): send {1e3 * compact['diff']:.1f} ms = "
-        f"{compact['diff'] / floor:.2f}x compare-and-count; receive "
-        f"{1e3 * compact['device_apply']:.1f} ms = {compact['device_apply'] / dense:.2f}x a dense "
+  send, receive = device_passes(compact)
+  print(f"device passes ({name}): send {1e3 * send:.1f} ms = {send / floor:.2f}x "
+        f"compare-and-count; receive {1e3 * receive:.1f} ms = {receive / dense:.2f}x a dense "
         "cast and copy")
+  if "bytes_floor" in compact:
+    host = compact["host_encode"] + compact["host_decode"]
+    print(f"host stages ({name}): {1e3 * host:.1f} ms = {host / compact['bytes_floor']:.2f}x "
+          f"moving and checksumming its bytes ({1e3 * compact['bytes_floor']:.1f} ms)")
+
+
+def device_passes(row: dict) -> tuple[float, float]:
+  """Seconds of a jsparse row's device passes: (sender's, receiver's)."""
+  return (row["diff"] + row.get("device_pack", 0.0),
+          row.get("device_unpack", 0.0) + row["device_apply"])

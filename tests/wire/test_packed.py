@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 import jsparse
 from jsparse._src.core import bitpack
 from jsparse._src.core.chunks import chunks_of
+from jsparse._src.sync import auto
 from jsparse._src.wire import device_codes, framing
 from jsparse.benchmarks.scale import layered_tree, rl_like_update
 from jsparse.testing import assert_trees_bitwise_equal, special_values
@@ -197,3 +198,27 @@ def test_packed_bytes_stay_near_the_compact_format_on_an_rl_like_update():
   assert 0.002 < changed / plan.num_elements < 0.05
   assert sizes["packed"] <= 1.5 * sizes["ranked"], sizes
   assert sizes["packed"] / changed <= 1.4, sizes
+
+
+def test_auto_picks_the_fewest_bytes_on_slow_links_and_stays_exact():
+  tree = layered_tree(8, 128)
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, capacity=0.05)
+  slow = jsparse.Sender(plan, tree, coding="auto", link_gbit=0.001)
+  receiver = jsparse.Receiver(plan, plan.cast(tree))
+  new = rl_like_update(tree, seed=3)
+  receiver.receive(slow.send(new))
+  assert slow.last_stats.coding in ("ranked", "packed")  # ~1 B/change; positioned 1.3, lists 4
+  rates = auto.measured_rates()
+  assert set(rates) == {jsparse.Coding(c) for c in ("packed", "ranked", "positioned", "lists")}
+  assert rates[jsparse.Coding.LISTS].bytes_per_change > 3 * rates[
+      jsparse.Coding.RANKED].bytes_per_change
+  fast = jsparse.Sender(plan, tree, coding="auto", link_gbit=1e6)
+  fast_receiver = jsparse.Receiver(plan, plan.cast(tree))
+  fast_receiver.receive(fast.send(new))
+  expected = min(rates, key=lambda c: rates[c].seconds(plan.num_elements, fast.last_stats.changed,
+                                                       1e6))
+  assert fast.last_stats.coding == expected.value
+  newer = rl_like_update(new, seed=4)
+  for sender, rx in ((slow, receiver), (fast, fast_receiver)):
+    rx.receive(sender.send(newer))
+    assert_trees_bitwise_equal(rx.params, plan.cast(newer))

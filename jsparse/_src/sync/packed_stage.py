@@ -24,7 +24,7 @@ formats.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -87,17 +87,24 @@ def segment_modes(plan: Plan, counts: np.ndarray, overflow: np.ndarray, full: bo
                for s, seg in enumerate(plan.segments))
 
 
-def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool) -> bytes:
-  """The format-3 body of a sender's ``changes`` (``snapshot``: the new rollout leaves, for
-  dense segments)."""
+class Packing(NamedTuple):
+  """A sender's packed chunks in flight on the device (:func:`pack_chunks`)."""
+
+  modes: tuple[Mode, ...]
+  counts: np.ndarray
+  launched: list
+
+
+def pack_chunks(plan: Plan, changes: DeviceChanges, full: bool) -> Packing:
+  """The device half of :func:`packed_body`: dispatches ``pack_program`` for every chunk with
+  changes (asynchronously: nothing waits here but the counts)."""
   counts = local_value(changes.delta.counts).astype(np.int64)
   overflow = local_value(changes.delta.overflow)
   modes = segment_modes(plan, counts, overflow, full)
   sparse = np.array([m in (Mode.BY_RANK, Mode.BY_POSITION) for m in modes], bool)
   counts = np.where(sparse, counts, 0)
-  chunks = chunks_of(plan)
   launched = []
-  for c in chunks:  # dispatch every chunk first: the device packs while the host copies
+  for c in chunks_of(plan):
     ids = list(c.segment_ids)
     if not counts[ids].sum():
       launched.append(None)
@@ -109,8 +116,14 @@ def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool) 
                           tuple(changes.old_values[s] for s in ids), block_counts))
     launched.append(device_codes.pack_program(c.plan, *inputs[:3], counts[ids].astype(np.int32),
                                               inputs[3]))
-  streams = []
-  for c, out in zip(chunks, launched):
+  return Packing(modes, counts, launched)
+
+
+def collect_body(plan: Plan, packing: Packing, changes: DeviceChanges, snapshot: list) -> bytes:
+  """The host half of :func:`packed_body`: each chunk's used words copied as its packing
+  ends, and framed."""
+  counts, streams = packing.counts, []
+  for c, out in zip(chunks_of(plan), packing.launched):
     if out is None:
       streams.append(None)
       continue
@@ -123,10 +136,16 @@ def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool) 
                     _host_prefix(key_words, int(key_used)),
                     _host_prefix(code_widths, bitpack.num_blocks(n_codes)),
                     _host_prefix(code_words, int(code_used))))
-  block_counts = {s: local_value(changes.block_counts[s]) for s in np.flatnonzero(sparse)
+  block_counts = {s: local_value(changes.block_counts[s]) for s in np.flatnonzero(counts)
                   if plan.segments[s].blocks > 1}
-  return packed.encode_body(plan, modes, counts, block_counts, streams,
+  return packed.encode_body(plan, packing.modes, counts, block_counts, streams,
                             lambda s: segment_host_bits(plan, s, snapshot))
+
+
+def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool) -> bytes:
+  """The format-3 body of a sender's ``changes`` (``snapshot``: the new rollout leaves, for
+  dense segments)."""
+  return collect_body(plan, pack_chunks(plan, changes, full), changes, snapshot)
 
 
 def _padded(values: np.ndarray | None, size: int, dtype: np.dtype) -> np.ndarray:
@@ -144,18 +163,20 @@ def _block_starts(blocks: int, counts: np.ndarray | None) -> np.ndarray | None:
   return (np.cumsum(counts) - counts).astype(np.int32)
 
 
-def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
-                    ) -> ReceiverInputs:
-  """The :class:`~programs.ReceiverInputs` of a checked format-3 ``body`` for a receiver
-  holding ``flat``, on its devices.
+class StagedStreams(NamedTuple):
+  """A format-3 body's streams on the receiver's devices, padded to static sizes
+  (:func:`stage_streams`)."""
 
-  Raises:
-    PayloadError: a key out of range or out of order, or a code too wide for its dtype.
-  """
+  slots: tuple[int, ...]
+  chunks: list  # per chunk: (device, slots, widths and words on the device, block starts)
+
+
+def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
+                  ) -> StagedStreams:
+  """The host half of :func:`receiver_inputs`: each chunk's streams padded to the sizes of its
+  slots and put on the first device of its leaves."""
   slots = programs.slots_needed(plan, body.counts)
-  shardings = [replicated_on(flat[seg.leaf_ids[0]]) for seg in plan.segments]
-  keys, values = [None] * len(plan.segments), [None] * len(plan.segments)
-  checks = []
+  staged = []
   for c, stream in zip(chunks_of(plan), body.streams):
     ids = list(c.segment_ids)
     chunk_slots = tuple(slots[s] for s in ids)
@@ -164,18 +185,43 @@ def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBo
     host = (_padded(stream[0], bitpack.num_blocks(n_keys), np.uint8),
             _padded(stream[1], bitpack.num_blocks(n_keys) * bitpack.BLOCK + 1, np.uint32),
             _padded(stream[2], bitpack.num_blocks(n_codes), np.uint8),
-            _padded(stream[3], bitpack.num_blocks(n_codes) * bitpack.BLOCK + 1, np.uint32))
+            _padded(stream[3], bitpack.num_blocks(n_codes) * bitpack.BLOCK + 1, np.uint32),
+            body.counts[ids])
+    device = next(iter(replicated_on(flat[plan.segments[ids[0]].leaf_ids[0]])
+                       .addressable_devices_indices_map((0,))))
     starts = tuple(_block_starts(plan.segments[s].blocks, body.block_counts[s]) for s in ids)
-    device = next(iter(shardings[ids[0]].addressable_devices_indices_map((0,))))
+    staged.append((device, chunk_slots, jax.device_put(host, device), starts))
+  return StagedStreams(tuple(slots), staged)
+
+
+def unpack_streams(plan: Plan, flat: Sequence[jax.Array], staged: StagedStreams,
+                   counts: np.ndarray) -> ReceiverInputs:
+  """The device half of :func:`receiver_inputs`: unpacks and checks every chunk, then
+  replicates each segment's slots over the devices of its leaves."""
+  shardings = [replicated_on(flat[seg.leaf_ids[0]]) for seg in plan.segments]
+  keys, values = [None] * len(plan.segments), [None] * len(plan.segments)
+  checks = []
+  for c, (device, chunk_slots, arrays, starts) in zip(chunks_of(plan), staged.chunks):
     with jax.default_device(device):
-      chunk_keys, chunk_values, ok = device_codes.unpack_program(
-          c.plan, chunk_slots, *host, body.counts[ids], starts)
+      chunk_keys, chunk_values, ok = device_codes.unpack_program(c.plan, chunk_slots, *arrays,
+                                                                 starts)
     checks.append(ok)
-    for s, k, v in zip(ids, chunk_keys, chunk_values):
+    for s, k, v in zip(c.segment_ids, chunk_keys, chunk_values):
       keys[s], values[s] = k, v
   if not all(bool(ok) for ok in checks):
     raise PayloadError("a packed payload names a change out of range or out of order, or "
                        "codes a value wider than its dtype")
   placed = replicated_copies(keys + values, shardings * 2)
-  return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), body.counts,
+  return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), counts,
                         tuple(seg.ordered for seg in plan.segments), True)
+
+
+def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
+                    ) -> ReceiverInputs:
+  """The :class:`~programs.ReceiverInputs` of a checked format-3 ``body`` for a receiver
+  holding ``flat``, on its devices.
+
+  Raises:
+    PayloadError: a key out of range or out of order, or a code too wide for its dtype.
+  """
+  return unpack_streams(plan, flat, stage_streams(plan, flat, body), body.counts)

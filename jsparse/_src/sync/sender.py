@@ -35,10 +35,10 @@ from jsparse._src.core.placement import commit_leaves, place_on_plan_layouts
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import ConfigError, VersionError
-from jsparse._src.options import int_option, typed_argument
+from jsparse._src.options import float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value, owned_units
-from jsparse._src.sync import programs
+from jsparse._src.sync import auto, programs
 from jsparse._src.sync.parts import dense_records, part_records, processes_with
 from jsparse._src.sync.stream import (PartStream, produce, start_host_copies,
                                       start_segment_copies, stream_pieces)
@@ -66,6 +66,8 @@ class SendStats:
     overflowed_changes: the changes of those segments (sent as their whole segments).
     anchor: whether the payload is an anchor (every segment dense).
     payload_bytes: the payload's size (None after :meth:`Sender.payload`, which makes no bytes).
+    coding: the coding of the payload ``send`` made (for ``coding="auto"``: the one it chose;
+      None for parts, streams and :meth:`Sender.payload`, which carry the records' coding).
 
   >>> import jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(100)})
@@ -84,6 +86,7 @@ class SendStats:
   anchor: bool
   payload_bytes: int | None = None
   overflowed_changes: int = 0
+  coding: str | None = None
 
   @property
   def density(self) -> float:
@@ -108,8 +111,11 @@ class Sender:
     version: the version ``params`` are (the receiver must start from the same one).
     anchor_every: if set, every ``anchor_every``-th version is sent as a full (dense) anchor.
     coding: a :class:`~jsparse.Coding` (or its string): ``"ranked"`` (the default, ~1 byte
-      per change on RL updates), ``"positioned"`` or ``"lists"`` (4 bytes per change, the
-      least device work: for fast links).
+      per change on RL updates), ``"packed"`` (about as small, coded on the device: for
+      accelerators), ``"positioned"``, ``"lists"`` (4 bytes per change, the least device
+      work), or ``"auto"`` (per send, the fastest over ``link_gbit``; see
+      :attr:`SendStats.coding`).
+    link_gbit: the link's bandwidth in Gbit/s, for ``coding="auto"``.
 
   Raises:
     ConfigError: a bad option.
@@ -126,9 +132,11 @@ class Sender:
 
   @mesh_neutral
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0,
-               anchor_every: int | None = None, coding: Coding | str = Coding.RANKED):
+               anchor_every: int | None = None, coding: Coding | str = Coding.RANKED,
+               link_gbit: float = auto.DEFAULT_LINK_GBIT):
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.coding = coding_option(coding)
+    self.link_gbit = float_option("link_gbit", link_gbit, minimum=1e-6)
     self.plan = typed_argument("plan", plan, Plan, "a jsparse.Plan (from make_plan)")
     self.version = check_version(version)
     self._snapshot, digest = programs.snapshot_and_digest(plan, _on_plan_layouts(plan, params))
@@ -156,7 +164,8 @@ class Sender:
 
   @classmethod
   def restore(cls, plan: Plan, state: SyncState, *, anchor_every: int | None = None,
-              coding: Coding | str = Coding.RANKED) -> "Sender":
+              coding: Coding | str = Coding.RANKED,
+              link_gbit: float = auto.DEFAULT_LINK_GBIT) -> "Sender":
     """A sender that resumes from ``state`` (from :meth:`state`, e.g. restored by Orbax).
 
     Raises:
@@ -164,7 +173,8 @@ class Sender:
       IntegrityError: the restored snapshot does not match the digest saved with it.
     """
     version, digest, params = check_state(plan, state, rollout_only=False)
-    sender = cls(plan, params, version=version, anchor_every=anchor_every, coding=coding)
+    sender = cls(plan, params, version=version, anchor_every=anchor_every, coding=coding,
+                 link_gbit=link_gbit)
     check_digest(sender._bits, digest, version)
     sender.run_id = state_run(state) or sender.run_id
     return sender
@@ -201,27 +211,52 @@ class Sender:
       PlanMismatchError: ``params`` do not match the plan (the leaf is named).
       VersionError: ``version`` is not newer than the sender's.
     """
+    self._check_single_process()
     with self._anchor_next_if_moved():
-      if self.coding is Coding.PACKED:
-        data = self._send_packed(params, full, version)
-      else:
-        data = framing.encode(self.plan, self._payload(params, full, version))
-    self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data))
+      head, (coding, body) = self._step(params, full, version, self._whole_body)
+      data = framing.frame(self.plan, Payload(head.kind, head.base_version, head.version,
+                                              head.base_digest, head.new_digest, (),
+                                              coding.format), body)
+    self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data),
+                                          coding=coding.value)
     return data
+
+  def _whole_body(self, changes: programs.DeviceChanges, snapshot: list, full: bool
+                  ) -> tuple[Coding, bytes]:
+    """The coding of this version and its payload body."""
+    coding = self._coding_for(changes, full)
+    if coding is Coding.PACKED:
+      return coding, packed_body(self.plan, changes, snapshot, full)
+    return coding, framing.encode_records(self.plan, coding.format,
+                                          self._records(coding, changes, snapshot, full))
+
+  def _coding_for(self, changes: programs.DeviceChanges, full: bool) -> Coding:
+    """The sender's coding, or for ``"auto"`` the one predicted fastest for these changes over
+    the link (an anchor: ranked; all codings carry it alike)."""
+    if self.coding is not Coding.AUTO:
+      return self.coding
+    if full:
+      return Coding.RANKED
+    counts = local_value(changes.delta.counts).astype(np.int64)
+    sparse = int(counts[~local_value(changes.delta.overflow)].sum())
+    return auto.choose(auto.measured_rates(), self.plan.num_elements, sparse, self.link_gbit)
+
+  def _records(self, coding: Coding, changes: programs.DeviceChanges, snapshot: list,
+               full: bool):
+    """The records of a whole payload in ``coding`` (a generator: see
+    :func:`payload.segment_records`)."""
+    if not coding.ranked:
+      changes = changes._replace(ranks=None)
+    return segment_records(self.plan, coding, local_value(changes.delta.counts),
+                           local_value(changes.delta.overflow), _HostChanges(changes),
+                           dense=lambda s: segment_host_bits(self.plan, s, snapshot),
+                           full=full)
 
   def _check_single_process(self) -> None:
     """Refuses a whole payload of params that span several processes."""
     if not all(x.is_fully_addressable for x in self._snapshot):
       raise ConfigError("the params span several processes: in a multi-controller job every "
                         "process calls send_part() and ships its own part")
-
-  def _send_packed(self, params: PyTree, full: bool, version: int | None) -> bytes:
-    """The bytes of the next version in format 3: coded on the device (``packed_stage.py``)."""
-    self._check_single_process()
-    head, body = self._step(params, full, version, functools.partial(packed_body, self.plan))
-    return framing.frame(self.plan, Payload(head.kind, head.base_version, head.version,
-                                            head.base_digest, head.new_digest, (),
-                                            Format.PACKED), body)
 
   @mesh_neutral
   def payload(self, params: PyTree, *, full: bool = False,
@@ -251,10 +286,7 @@ class Sender:
     self._check_single_process()
 
     def whole(changes: programs.DeviceChanges, snapshot: list, full: bool):
-      return segment_records(self.plan, self.coding.records, local_value(changes.delta.counts),
-                             local_value(changes.delta.overflow), _HostChanges(changes),
-                             dense=lambda s: segment_host_bits(self.plan, s, snapshot),
-                             full=full)
+      return self._records(self.coding.records, changes, snapshot, full)
 
     head, segments = self._step(params, full, version, whole)
     return Payload(head.kind, head.base_version, head.version, head.base_digest,

@@ -46,11 +46,16 @@ def encode(plan: Plan, payload: Payload) -> bytes:
   """Serializes ``payload`` (which must match ``plan``) to bytes. Its segments may be any
   iterable of one record per segment of the plan (a generator: each record is coded as it
   comes)."""
-  records = iter(payload.segments)
-  body = _BODIES[payload.format].encode_body(plan, _exactly(len(plan.segments), records))
+  return frame(plan, payload, encode_records(plan, payload.format, payload.segments))
+
+
+def encode_records(plan: Plan, fmt: Format, segments) -> bytes:
+  """The body of format 1 or 2 of one record per segment of ``plan`` (any iterable)."""
+  records = iter(segments)
+  body = _BODIES[fmt].encode_body(plan, _exactly(len(plan.segments), records))
   if next(records, None) is not None:
     raise PayloadError(f"payload has more segments than the plan's {len(plan.segments)}")
-  return frame(plan, payload, body)
+  return body
 
 
 def frame(plan: Plan, header: Payload, body: bytes) -> bytes:

@@ -81,6 +81,9 @@ class Coding(str, enum.Enum):
     by the device (``device_codes.py``): ~1 B/change, and the host does no per-change work,
     only moves the packed words; for accelerators and fast links. :meth:`Sender.send` and
     :meth:`Receiver.receive` carry it; parts and streams of a packed sender carry ``RANKED``.
+  - ``AUTO``: per send, the one of the above that syncs fastest over the Sender's
+    ``link_gbit``, predicted from rates measured once per process (``sync/auto.py``); recorded
+    in :attr:`SendStats.coding`. Parts and streams carry ``RANKED``.
 
   >>> import jsparse
   >>> coding = jsparse.Coding("positioned")
@@ -91,6 +94,7 @@ class Coding(str, enum.Enum):
   POSITIONED = "positioned"
   LISTS = "lists"
   PACKED = "packed"
+  AUTO = "auto"
 
   @property
   def format(self) -> Format:
@@ -98,13 +102,13 @@ class Coding(str, enum.Enum):
 
   @property
   def ranked(self) -> bool:
-    return self in (Coding.RANKED, Coding.PACKED)
+    return self in (Coding.RANKED, Coding.PACKED, Coding.AUTO)
 
   @property
   def records(self) -> "Coding":
     """The coding of this coding's per-record payloads (parts, streams, decoded payloads):
-    ``PACKED`` has none of its own and uses ``RANKED``'s."""
-    return Coding.RANKED if self is Coding.PACKED else self
+    ``PACKED`` and ``AUTO`` have none of their own and use ``RANKED``'s."""
+    return Coding.RANKED if self in (Coding.PACKED, Coding.AUTO) else self
 
 
 @dataclasses.dataclass(frozen=True)
