@@ -36,10 +36,11 @@ from typing import Any, Callable, Iterator, Sequence
 # The full run's settings, and the reduced ones of --quick (for the options left at default).
 FULL = dict(dim=512, depth=6, vocab=8192, steps=8, pretrain_steps=300, repeats=5,
             leaf_counts=[100, 1000, 10000], threads=[1, 2],
-            scale_params=[25_000_000, 100_000_000, 250_000_000, 1_000_000_000], scale_width=1024)
-QUICK = dict(dim=128, depth=2, vocab=1024, steps=4, pretrain_steps=30, repeats=2,
-             leaf_counts=[16, 64], threads=[1, 2], scale_params=[1_000_000, 4_000_000],
-             scale_width=256)
+            scale_params=[25_000_000, 100_000_000, 250_000_000, 1_000_000_000], scale_width=1024,
+            scale_stages=True)
+QUICK = dict(dim=128, depth=1, vocab=1024, steps=4, pretrain_steps=30, repeats=2,
+             leaf_counts=[8, 16], threads=[1, 2], scale_params=[3_000_000, 6_000_000],
+             scale_width=512, scale_stages=False)
 PARTS = ("sync", "storage", "link", "scale", "memory", "tunix")
 SCHEMA = 1  # the JSON file's layout version
 
@@ -55,11 +56,12 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _parser(defaults: dict = FULL) -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m jsparse.benchmarks", description="jsparse against the alternatives, side by side in one run: tables on stdout, "
+      prog="python -m jsparse.benchmarks",
+      description="jsparse against the alternatives, side by side in one run: tables on stdout, "
                   "progress on stderr.",
       formatter_class=_Formatter,
       epilog="--quick changes the defaults to: "
-             + ", ".join(f"--{k.replace('_', '-')} {_show(v)}" for k, v in QUICK.items())
+             + ", ".join(_flag(k, v) for k, v in QUICK.items())
              + " (options given keep their values).")
   add = parser.add_argument
   add("--quick", action="store_true",
@@ -85,7 +87,16 @@ def _parser(defaults: dict = FULL) -> argparse.ArgumentParser:
       help="model sizes of the scaling table")
   add("--scale-width", type=int, default=defaults["scale_width"],
       help="layer width of the scaling table's trees")
+  add("--scale-stages", action=argparse.BooleanOptionalAction, default=defaults["scale_stages"],
+      help="time the four stages of a sync and their floors at every size of the scaling table")
   return parser
+
+
+def _flag(name: str, value: Any) -> str:
+  flag = "--" + name.replace("_", "-")
+  if isinstance(value, bool):
+    return flag if value else "--no-" + flag[2:]
+  return f"{flag} {_show(value)}"
 
 
 def _show(value: Any) -> str:
@@ -93,7 +104,12 @@ def _show(value: Any) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  """The options; with ``--quick``, those not given take :data:`QUICK`'s values."""
+  """The options; with ``--quick``, those not given take :data:`QUICK`'s values.
+
+  >>> args = parse_args(["--quick", "--steps", "3"])
+  >>> args.steps, args.dim, args.scale_stages, parse_args([]).dim
+  (3, 128, False, 512)
+  """
   args = _parser().parse_args(argv)
   return _parser(QUICK).parse_args(argv) if args.quick else args
 
@@ -263,7 +279,8 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
     results["scaling"] = []
     for params in args.scale_params:  # one point at a time: a progress step each
       with table(f"scaling {params / 1e6:g}M"):
-        results["scaling"] += scale.scaling([params], width=args.scale_width, stages=True)
+        results["scaling"] += scale.scaling([params], width=args.scale_width,
+                                            stages=args.scale_stages)
     scale.print_scaling(results["scaling"])
     results["compile"] = {}
     for n in args.leaf_counts:
@@ -312,7 +329,12 @@ def machine() -> dict:
 
 def plain(value: Any) -> Any:
   """``value`` as JSON holds it: dict keys as strings, tuples as lists, NumPy scalars and arrays
-  as Python numbers and lists, infinities and NaN as None."""
+  as Python numbers and lists, infinities and NaN as None.
+
+  >>> import numpy as np
+  >>> plain({1.0: (np.float32(0.5), float("inf")), 2: np.arange(2)})
+  {'1.0': [0.5, None], '2': [0, 1]}
+  """
   if isinstance(value, dict):
     return {str(k): plain(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):
