@@ -142,6 +142,13 @@ class _Progress:
       print(f"[{self.done}/{self.total}] {name} done at "
             f"{time.perf_counter() - self.start:.0f} s", file=sys.stderr, flush=True)
 
+  def tables_above(self) -> contextlib.AbstractContextManager:
+    """Where stdout and the bar share a terminal, the tables print above the bar."""
+    if self.bar is None or not (sys.stdout.isatty() and sys.stderr.isatty()):
+      return contextlib.nullcontext()
+    from tqdm.contrib import DummyTqdmFile
+    return contextlib.redirect_stdout(DummyTqdmFile(sys.stdout))
+
   def close(self) -> None:
     if self.bar is not None:
       self.bar.close()
@@ -206,11 +213,12 @@ def run(argv: Sequence[str] | None = None) -> dict:
   started = time.perf_counter()
   progress = _Progress(len(_tables(args)))
   try:
-    results = _run(args, progress.table)
+    with progress.tables_above():
+      results = _run(args, progress.table)
   finally:
     progress.close()
   seconds = time.perf_counter() - started
-  print(f"\n{len(results)} tables in {seconds:.0f} s", file=sys.stderr)
+  print(f"\n{', '.join(results)}: {seconds:.0f} s", file=sys.stderr)
   if args.json is not None:
     write_json(args.json, results, args, seconds)
     print(f"wrote {args.json}", file=sys.stderr)
@@ -371,6 +379,7 @@ def plot(results: dict, directory: Path) -> list[Path]:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
 
   results = plain(results)
   directory = Path(directory)
@@ -420,6 +429,10 @@ def plot(results: dict, directory: Path) -> list[Path]:
                 [(r["send"] + r["receive"]) / r["params"] * 1e9 for r in rows], "o-",
                 label=label)
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda x, _: f"{x / 1e9:g}B" if x >= 1e9 else f"{x / 1e6:g}M"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylim(bottom=0)
     ax.set_xlabel("parameters")
     ax.set_ylabel("send + receive, ns per parameter")
