@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import time
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,8 @@ from jsparse._src.wire.payload import (Coding, Format, Kind, Payload, segment_ho
 LINKS_GBIT = (0.1, 1, 10, 100)
 METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + zstd",
            "jsparse format 1 (lists)", "jsparse format 2 (compact)",
-           "jsparse format 2, positioned", "jsparse format 3 (packed)")
+           "jsparse format 2, positioned", "jsparse format 3 (packed)",
+           "jsparse format 3, positioned")
 
 
 def _best(fn: Callable, setup: Callable[[], tuple] = tuple, repeats: int = 5) -> float:
@@ -185,8 +186,8 @@ def _jsparse(plan, before, after, repeats, coding):
   row = {"bytes": len(data),
          "encode": _best(lambda s: s.send(after), fresh_sender, repeats),
          "apply": _best(lambda r: r.receive(data), fresh_receiver, repeats)}
-  if coding is Coding.PACKED:
-    row.update(packed_stage_times(plan, snapshot, after, data, repeats))
+  if coding.format == Format.PACKED:
+    row.update(packed_stage_times(plan, coding, snapshot, after, data, repeats))
     inputs = packed_stage.receiver_inputs(plan, jax.tree.leaves(snapshot),
                                           _packed_body(plan, data))
   else:
@@ -236,8 +237,8 @@ def _packed_body(plan: jsparse.Plan, data: bytes) -> packed.PackedBody:
   return packed.decode_body(plan, header.kind, reader)
 
 
-def packed_stage_times(plan: jsparse.Plan, snapshot: Any, after: Any, data: bytes,
-                       repeats: int = 5) -> dict:
+def packed_stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any,
+                       data: bytes, repeats: int = 5) -> dict:
   """:func:`stage_times` of the packed coding, whose device passes are two more: the sender's
   packing (``device_pack``) after the diff, the receiver's unpacking and checks
   (``device_unpack``) before the apply; its host stages only move and frame words, held
@@ -245,13 +246,13 @@ def packed_stage_times(plan: jsparse.Plan, snapshot: Any, after: Any, data: byte
   back."""
   flat = jax.tree.leaves(after)
   fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
-  device_stage = lambda snap, new: programs.sender_changes(plan, Coding.PACKED, snap, new)[0]
+  device_stage = lambda snap, new: programs.sender_changes(plan, coding, snap, new)[0]
   changes = device_stage(*fresh_snapshot())
   rollout = jax.tree.leaves(snapshot)
-  packing = packed_stage.pack_chunks(plan, changes, False)
+  pack = lambda: packed_stage.pack_chunks(plan, changes, False, coding.ranked)
+  packing = pack()
   row = {"diff": _best(device_stage, fresh_snapshot, repeats),
-         "device_pack": _best(lambda: packed_stage.pack_chunks(plan, changes, False).launched,
-                              repeats=repeats)}
+         "device_pack": _best(lambda: pack().launched, repeats=repeats)}
   head = Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), (), Format.PACKED)
   row["host_encode"] = _best(lambda: framing.frame(
       plan, head, packed_stage.collect_body(plan, packing, changes, rollout)), repeats=repeats)
@@ -261,9 +262,9 @@ def packed_stage_times(plan: jsparse.Plan, snapshot: Any, after: Any, data: byte
       repeats=repeats)
   staged = packed_stage.stage_streams(plan, rollout, body)
   row["device_unpack"] = _best(
-      lambda: packed_stage.unpack_streams(plan, rollout, staged, body.counts)[:2],
+      lambda: packed_stage.unpack_streams(plan, rollout, staged, body.counts, body.ranked)[:2],
       repeats=repeats)
-  inputs = packed_stage.unpack_streams(plan, rollout, staged, body.counts)
+  inputs = packed_stage.unpack_streams(plan, rollout, staged, body.counts, body.ranked)
   layouts = layouts_of(plan, rollout)
   device_apply = lambda f: programs.apply_inputs(plan, layouts, f, inputs, donate=True)
   row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
@@ -301,17 +302,21 @@ def _chunk_temps(plan, coding, layouts, snapshot: list, new: list, inputs) -> in
   return max(temps, default=0)
 
 
-def compare_methods(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 5) -> dict:
-  """Per method: ``bytes``, ``encode`` and ``apply`` seconds, compiled ``temp`` bytes."""
-  return {
-      METHODS[0]: _dense(plan, before, after, repeats),
-      METHODS[1]: _raw_int32(plan, before, after, repeats),
-      METHODS[2]: _xor_zstd(plan, before, after, repeats),
-      METHODS[3]: _jsparse(plan, before, after, repeats, Coding.LISTS),
-      METHODS[4]: _jsparse(plan, before, after, repeats, Coding.RANKED),
-      METHODS[5]: _jsparse(plan, before, after, repeats, Coding.POSITIONED),
-      METHODS[6]: _jsparse(plan, before, after, repeats, Coding.PACKED),
+def compare_methods(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 5,
+                    methods: Sequence[str] = METHODS) -> dict:
+  """Per method (of :data:`METHODS`): ``bytes``, ``encode`` and ``apply`` seconds, compiled
+  ``temp`` bytes."""
+  runs = {
+      METHODS[0]: _dense,
+      METHODS[1]: _raw_int32,
+      METHODS[2]: _xor_zstd,
+      METHODS[3]: functools.partial(_jsparse, coding=Coding.LISTS),
+      METHODS[4]: functools.partial(_jsparse, coding=Coding.RANKED),
+      METHODS[5]: functools.partial(_jsparse, coding=Coding.POSITIONED),
+      METHODS[6]: functools.partial(_jsparse, coding=Coding.PACKED),
+      METHODS[7]: functools.partial(_jsparse, coding=Coding.PACKED_POSITIONED),
   }
+  return {name: runs[name](plan, before, after, repeats) for name in methods}
 
 
 def per_step_sizes(plan: jsparse.Plan, states: list) -> list[dict]:

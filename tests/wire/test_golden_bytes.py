@@ -34,9 +34,16 @@ GOLDEN = {
     "lists/overflow": ("15c2dd3777d59abe29dad2b6c1887cdab86726c168d6f9510a459867a509484f", 120094),
     "lists/anchor": ("bfbf0e067ffec2db8ce0576272118c99b286e23e31cd7bedc87f1f3357ac2127", 133452),
     "sharded/delta": ("f656315c836193d165d967dadd5e3fe4ab2b810bc4172758b272208ac0f7f4d9", 16477),
-    "packed/delta": ("99b7d7992b14f7ff7e1a80e69120fdd48692a41828a8f5474dae713cad439fd1", 2950),
+    "packed-positioned/delta": ("6c16f77f9e70b26ce84a27e28c836a3639d01915396575300a1c6cc54a01c982",
+                                2950),
     "packed/overflow": ("9d6abba2e3b5c9a088fd7d21089396a102f3cd153e10355adaa8eaecddddb990", 120094),
     "packed/anchor": ("2f77ffd9f5c84d13540b2c552d52681eb4bc630549f7f153b4ccba01120501d9", 133452),
+    "packed/delta": ("99b7d7992b14f7ff7e1a80e69120fdd48692a41828a8f5474dae713cad439fd1",
+                            2950),
+    "packed-positioned/overflow": ("9d6abba2e3b5c9a088fd7d21089396a102f3cd153e10355adaa8eaecddddb990",
+                               120094),
+    "packed-positioned/anchor": ("2f77ffd9f5c84d13540b2c552d52681eb4bc630549f7f153b4ccba01120501d9",
+                             133452),
     "sharded/packed": ("6da856e71ae986954256d9304a100eb806016d1364246d940e1c7b78bbab35fe", 16453),
 }
 
@@ -65,7 +72,7 @@ def _payloads():
   tree = _tree(0)
   plan = jsparse.make_plan(tree, capacity=0.1, **strategies.mixed_plan_options())
   out = {}
-  for coding in ("ranked", "positioned", "lists", "packed"):
+  for coding in ("ranked", "positioned", "lists", "packed", "packed-positioned"):
     sender = jsparse.Sender(plan, tree, coding=coding)
     new = _update(np.random.default_rng(1), tree, 0.03)
     out[f"{coding}/delta"] = sender.send(new)

@@ -29,7 +29,8 @@ import numpy as np
 
 from jsparse._src.wire.payload import Coding
 
-CANDIDATES = (Coding.PACKED, Coding.RANKED, Coding.POSITIONED, Coding.LISTS)
+CANDIDATES = (Coding.PACKED, Coding.PACKED_POSITIONED, Coding.RANKED, Coding.POSITIONED,
+              Coding.LISTS)
 SAMPLE_ELEMENTS = 1 << 20
 DEFAULT_LINK_GBIT = 10.0
 _STEPS = (1.5e-6, 6e-6)  # update sizes of the two samples: ~1% and ~4% of bf16 elements change

@@ -79,11 +79,11 @@ def _replicated(tree):
   return jax.tree.map(whole, tree)
 
 
-def segment_modes(plan: Plan, counts: np.ndarray, overflow: np.ndarray, full: bool
-                  ) -> tuple[Mode, ...]:
-  """Each segment's record mode in a packed payload."""
+def segment_modes(plan: Plan, counts: np.ndarray, overflow: np.ndarray, full: bool,
+                  ranked: bool) -> tuple[Mode, ...]:
+  """Each segment's record mode in a packed payload (``ranked``: ordered segments by rank)."""
   return tuple(Mode.DENSE if full or overflow[s] else Mode.EMPTY if not counts[s]
-               else Mode.BY_RANK if seg.ordered else Mode.BY_POSITION
+               else Mode.BY_RANK if ranked and seg.ordered else Mode.BY_POSITION
                for s, seg in enumerate(plan.segments))
 
 
@@ -95,12 +95,12 @@ class Packing(NamedTuple):
   launched: list
 
 
-def pack_chunks(plan: Plan, changes: DeviceChanges, full: bool) -> Packing:
+def pack_chunks(plan: Plan, changes: DeviceChanges, full: bool, ranked: bool) -> Packing:
   """The device half of :func:`packed_body`: dispatches ``pack_program`` for every chunk with
   changes (asynchronously: nothing waits here but the counts)."""
   counts = local_value(changes.delta.counts).astype(np.int64)
   overflow = local_value(changes.delta.overflow)
-  modes = segment_modes(plan, counts, overflow, full)
+  modes = segment_modes(plan, counts, overflow, full, ranked)
   sparse = np.array([m in (Mode.BY_RANK, Mode.BY_POSITION) for m in modes], bool)
   counts = np.where(sparse, counts, 0)
   launched = []
@@ -109,13 +109,13 @@ def pack_chunks(plan: Plan, changes: DeviceChanges, full: bool) -> Packing:
     if not counts[ids].sum():
       launched.append(None)
       continue
-    keys = tuple(changes.ranks[s] if plan.segments[s].ordered else changes.delta.indices[s]
+    keys = tuple(changes.ranks[s] if modes[s] == Mode.BY_RANK else changes.delta.indices[s]
                  for s in ids)
     block_counts = tuple(changes.block_counts[s] if changes.block_counts else None for s in ids)
     inputs = _replicated((keys, tuple(changes.delta.values[s] for s in ids),
                           tuple(changes.old_values[s] for s in ids), block_counts))
-    launched.append(device_codes.pack_program(c.plan, *inputs[:3], counts[ids].astype(np.int32),
-                                              inputs[3]))
+    launched.append(device_codes.pack_program(c.plan, ranked, *inputs[:3],
+                                              counts[ids].astype(np.int32), inputs[3]))
   return Packing(modes, counts, launched)
 
 
@@ -142,10 +142,11 @@ def collect_body(plan: Plan, packing: Packing, changes: DeviceChanges, snapshot:
                             lambda s: segment_host_bits(plan, s, snapshot))
 
 
-def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool) -> bytes:
+def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool,
+                ranked: bool = False) -> bytes:
   """The format-3 body of a sender's ``changes`` (``snapshot``: the new rollout leaves, for
-  dense segments)."""
-  return collect_body(plan, pack_chunks(plan, changes, full), changes, snapshot)
+  dense segments; ``ranked``: ordered segments named by rank, which ``changes`` must hold)."""
+  return collect_body(plan, pack_chunks(plan, changes, full, ranked), changes, snapshot)
 
 
 def _padded(values: np.ndarray | None, size: int, dtype: np.dtype) -> np.ndarray:
@@ -195,7 +196,7 @@ def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
 
 
 def unpack_streams(plan: Plan, flat: Sequence[jax.Array], staged: StagedStreams,
-                   counts: np.ndarray) -> ReceiverInputs:
+                   counts: np.ndarray, ranked: tuple[bool, ...]) -> ReceiverInputs:
   """The device half of :func:`receiver_inputs`: unpacks and checks every chunk, then
   replicates each segment's slots over the devices of its leaves."""
   shardings = [replicated_on(flat[seg.leaf_ids[0]]) for seg in plan.segments]
@@ -213,7 +214,7 @@ def unpack_streams(plan: Plan, flat: Sequence[jax.Array], staged: StagedStreams,
                        "codes a value wider than its dtype")
   placed = replicated_copies(keys + values, shardings * 2)
   return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), counts,
-                        tuple(seg.ordered for seg in plan.segments), True)
+                        ranked, True)
 
 
 def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
@@ -224,4 +225,4 @@ def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBo
   Raises:
     PayloadError: a key out of range or out of order, or a code too wide for its dtype.
   """
-  return unpack_streams(plan, flat, stage_streams(plan, flat, body), body.counts)
+  return unpack_streams(plan, flat, stage_streams(plan, flat, body), body.counts, body.ranked)

@@ -225,8 +225,8 @@ class Sender:
                   ) -> tuple[Coding, bytes]:
     """The coding of this version and its payload body."""
     coding = self._coding_for(changes, full)
-    if coding is Coding.PACKED:
-      return coding, packed_body(self.plan, changes, snapshot, full)
+    if coding.format == Format.PACKED:
+      return coding, packed_body(self.plan, changes, snapshot, full, coding.ranked)
     return coding, framing.encode_records(self.plan, coding.format,
                                           self._records(coding, changes, snapshot, full))
 

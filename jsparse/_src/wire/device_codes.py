@@ -1,7 +1,7 @@
 """The packed coding's device programs: a chunk's changes to packed words, and back.
 
-The sender's :func:`pack_program` takes a chunk's changes in their slots (keys: ranks in the
-exponent-class order for ordered segments, else positions; new and old bits) and returns two
+The sender's :func:`pack_program` takes a chunk's changes in their slots (keys: positions, or
+ranks in the exponent-class order for ordered segments; new and old bits) and returns two
 bit-packed streams (``core/bitpack.py``): the *key gaps* (per run of ascending keys: the first
 key, then each key minus the previous minus 1) and the *value codes* (the ulp code against the
 old bits, zigzagged, minus 1: a changed element's code is never 0; 64-bit dtypes give two
@@ -94,8 +94,8 @@ def _gaps(keys: jax.Array) -> jax.Array:
   return (keys - previous - 1).astype(jnp.uint32)
 
 
-def _segment_entries(seg: Segment, keys: jax.Array, new: jax.Array, old: jax.Array,
-                     count: jax.Array, block_counts: jax.Array | None):
+def _segment_entries(seg: Segment, ranked: bool, keys: jax.Array, new: jax.Array,
+                     old: jax.Array, count: jax.Array, block_counts: jax.Array | None):
   """A segment's (gaps, codes ``uint32[n, k]``, index in the segment's run of entries or -1
   for unused slots), all per slot."""
   codes = _as_words(value_codes(old, new, seg.dtype))
@@ -108,7 +108,7 @@ def _segment_entries(seg: Segment, keys: jax.Array, new: jax.Array, old: jax.Arr
                       -1).reshape(-1)
     return _gaps(shaped).reshape(-1), codes[:index.shape[0]], index
   used = jnp.arange(keys.shape[0], dtype=jnp.int32) < count
-  if seg.ordered:  # ranks, in position order: ascending once sorted by class
+  if ranked and seg.ordered:  # ranks, in position order: ascending once sorted by class
     order = class_order(ulp_codes.exponent_class(old, seg.dtype, jnp), used)
   else:
     order = jnp.arange(keys.shape[0], dtype=jnp.int32)
@@ -118,11 +118,12 @@ def _segment_entries(seg: Segment, keys: jax.Array, new: jax.Array, old: jax.Arr
   return _gaps(keys), codes, jnp.where(used, jnp.arange(keys.shape[0], dtype=jnp.int32), -1)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def pack_program(plan: Plan, keys: tuple, new: tuple, old: tuple, counts: jax.Array,
-                 block_counts: tuple) -> tuple:
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def pack_program(plan: Plan, ranked: bool, keys: tuple, new: tuple, old: tuple,
+                 counts: jax.Array, block_counts: tuple) -> tuple:
   """A chunk's changes as ``(key widths, key words, used key words, code widths, code words,
-  used code words)`` (see :func:`~jsparse._src.core.bitpack.pack`). ``counts``: per segment,
+  used code words)`` (see :func:`~jsparse._src.core.bitpack.pack`). ``ranked``: the keys of
+  ordered segments are ranks (else every key is a position). ``counts``: per segment,
   the changes to code (0 for segments carried densely or empty); ``block_counts``: per
   segment split into blocks, its changes per block (else None)."""
   gap_parts, code_parts = [], []
@@ -133,7 +134,7 @@ def pack_program(plan: Plan, keys: tuple, new: tuple, old: tuple, counts: jax.Ar
   code_stream = jnp.zeros((total_codes,), jnp.uint32)
   for s, seg in enumerate(plan.segments):
     count = counts[s]
-    gaps, codes, index = _segment_entries(seg, keys[s], new[s], old[s], count,
+    gaps, codes, index = _segment_entries(seg, ranked, keys[s], new[s], old[s], count,
                                           block_counts[s])
     k = values_per_change(seg)
     at = jnp.where(index >= 0, key_start + index, total_keys)

@@ -6,7 +6,8 @@ chunk of the plan (``core/chunks.py``) that has changes, two streams: the key ga
 value codes, each a run of fixed-width blocks of 32 values (``core/bitpack.py``). The body::
 
   segment table   per segment: mode u8 | count u32 (changes; DENSE: the segment size);
-                  modes EMPTY, DENSE, BY_RANK (ordered segments), BY_POSITION (the others)
+                  modes EMPTY, DENSE, BY_POSITION, or BY_RANK for ordered segments (a
+                  payload names the changes of all its ordered segments alike)
   block counts    per sparse segment the trainer splits into blocks: u32 changes per block
   streams         per chunk with changes, keys then codes, each:
                     blocks u32 | widths u8[blocks] | words u32[...]: the values of each
@@ -36,7 +37,7 @@ from jsparse._src.core.chunks import chunks_of
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import PayloadError
 from jsparse._src.wire.device_codes import values_per_change
-from jsparse._src.wire.payload import RECORD, Kind, Mode
+from jsparse._src.wire.payload import RECORD, Kind, Mode, check_modes, ranked_segments
 from jsparse._src.wire.reader import Reader
 
 _U32 = struct.Struct("<I")
@@ -54,6 +55,7 @@ class PackedBody:
     streams: per chunk of the plan, ``(key widths, key words, code widths, code words)`` as
       numpy arrays, or None when the chunk has no changes.
     dense: the DENSE segments' bit patterns, by segment.
+    ranked: per segment, whether its keys are ranks (all the ordered segments, or none).
   """
 
   modes: tuple[Mode, ...]
@@ -61,6 +63,7 @@ class PackedBody:
   block_counts: tuple
   streams: tuple
   dense: dict
+  ranked: tuple[bool, ...] = ()
 
 
 def encode_stream(widths: np.ndarray, words: np.ndarray) -> bytes:
@@ -107,10 +110,10 @@ def _table(plan: Plan, kind: Kind, reader: Reader) -> tuple[list[Mode], np.ndarr
   for s, seg in enumerate(plan.segments):
     where = plan.describe_segment(s)
     mode, count = RECORD.unpack(reader.take(RECORD.size, f"{where} record"))
-    sparse = Mode.BY_RANK if seg.ordered else Mode.BY_POSITION
-    if mode not in (Mode.EMPTY, Mode.DENSE, sparse):
+    sparse = (Mode.BY_RANK, Mode.BY_POSITION) if seg.ordered else (Mode.BY_POSITION,)
+    if mode not in (Mode.EMPTY, Mode.DENSE, *sparse):
       raise PayloadError(f"{where}: mode {mode} in a packed payload (expected EMPTY, DENSE "
-                         f"or {sparse.name})")
+                         f"or {' or '.join(m.name for m in sparse)})")
     if kind == Kind.ANCHOR and mode != Mode.DENSE:
       raise PayloadError("an anchor payload must carry every segment densely")
     if mode == Mode.DENSE and count != seg.size:
@@ -118,10 +121,11 @@ def _table(plan: Plan, kind: Kind, reader: Reader) -> tuple[list[Mode], np.ndarr
                          f"{seg.size}")
     if mode == Mode.EMPTY and count:
       raise PayloadError(f"{where}: an empty record with {count} changes")
-    if mode == sparse and not 0 < count <= seg.capacity:
+    if mode in sparse and not 0 < count <= seg.capacity:
       raise PayloadError(f"{where}: {count} changes, capacity {seg.capacity}")
     modes.append(Mode(mode))
-    counts[s] = count if mode == sparse else 0
+    counts[s] = count if mode in sparse else 0
+  check_modes(plan, modes)
   return modes, counts
 
 
@@ -152,4 +156,4 @@ def decode_body(plan: Plan, kind: Kind, reader: Reader) -> PackedBody:
   if reader.remaining:
     raise PayloadError(f"{reader.remaining} unexpected bytes after the last segment")
   return PackedBody(tuple(modes), counts.astype(np.int32), tuple(block_counts), tuple(streams),
-                    dense)
+                    dense, ranked_segments(plan, modes))

@@ -77,10 +77,14 @@ class Coding(str, enum.Enum):
     better choice where the device passes, not the bytes, decide.
   - ``LISTS``: format 1, positions and raw new bits: 4 B/change for 16-bit dtypes, the least
     device work; for fast links.
-  - ``PACKED``: format 3, the keys of ``RANKED`` and its ulp codes bit-packed in blocks of 32
-    by the device (``device_codes.py``): ~1 B/change, and the host does no per-change work,
-    only moves the packed words; for accelerators and fast links. :meth:`Sender.send` and
+  - ``PACKED``: format 3, the ranks and ulp codes of ``RANKED`` bit-packed in blocks of 32 by
+    the device (``device_codes.py``): ~1 B/change, and no per-change work on either host (it
+    only moves the packed words): for accelerators and fast links. :meth:`Sender.send` and
     :meth:`Receiver.receive` carry it; parts and streams of a packed sender carry ``RANKED``.
+  - ``PACKED_POSITIONED`` (``"packed-positioned"``): format 3 with the positions of
+    ``POSITIONED``: no ranking on either side (the least device work of the small codings),
+    but positions pack less well than ranks (~1.3 B/change on a trained model's step, more
+    where changes cluster); parts and streams carry ``POSITIONED``.
   - ``AUTO``: per send, the one of the above that syncs fastest over the Sender's
     ``link_gbit``, predicted from rates measured once per process (``sync/auto.py``); recorded
     in :attr:`SendStats.coding`. Parts and streams carry ``RANKED``.
@@ -94,11 +98,13 @@ class Coding(str, enum.Enum):
   POSITIONED = "positioned"
   LISTS = "lists"
   PACKED = "packed"
+  PACKED_POSITIONED = "packed-positioned"
   AUTO = "auto"
 
   @property
   def format(self) -> Format:
-    return {Coding.LISTS: Format.LISTS, Coding.PACKED: Format.PACKED}.get(self, Format.COMPACT)
+    return {Coding.LISTS: Format.LISTS, Coding.PACKED: Format.PACKED,
+            Coding.PACKED_POSITIONED: Format.PACKED}.get(self, Format.COMPACT)
 
   @property
   def ranked(self) -> bool:
@@ -107,8 +113,10 @@ class Coding(str, enum.Enum):
   @property
   def records(self) -> "Coding":
     """The coding of this coding's per-record payloads (parts, streams, decoded payloads):
-    ``PACKED`` and ``AUTO`` have none of their own and use ``RANKED``'s."""
-    return Coding.RANKED if self in (Coding.PACKED, Coding.AUTO) else self
+    the packed codings and ``AUTO`` have none of their own and use format 2's with the same
+    keys."""
+    return {Coding.PACKED: Coding.RANKED, Coding.PACKED_POSITIONED: Coding.POSITIONED,
+            Coding.AUTO: Coding.RANKED}.get(self, self)
 
 
 @dataclasses.dataclass(frozen=True)
