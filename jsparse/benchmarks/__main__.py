@@ -37,11 +37,11 @@ from typing import Any, Callable, Iterator, Sequence
 FULL = dict(dim=512, depth=6, vocab=8192, steps=8, pretrain_steps=300, repeats=5,
             leaf_counts=[100, 1000, 10000], threads=[1, 2],
             scale_params=[25_000_000, 100_000_000, 250_000_000, 1_000_000_000], scale_width=1024,
-            scale_stages=True)
+            scale_stages=True, device_params=1_000_000_000)
 QUICK = dict(dim=128, depth=1, vocab=1024, steps=4, pretrain_steps=30, repeats=2,
              leaf_counts=[8, 16], threads=[1, 2], scale_params=[3_000_000, 6_000_000],
-             scale_width=512, scale_stages=False)
-PARTS = ("sync", "storage", "link", "scale", "memory", "tunix")
+             scale_width=512, scale_stages=False, device_params=3_000_000)
+PARTS = ("sync", "storage", "link", "scale", "memory", "tunix", "device")
 SCHEMA = 1  # the JSON file's layout version
 
 
@@ -67,7 +67,13 @@ def _parser(defaults: dict = FULL) -> argparse.ArgumentParser:
   add("--quick", action="store_true",
       help="a reduced run: small model, few steps and repeats, small leaf counts and scaling "
            "points, no Tunix part")
-  add("--only", choices=PARTS, help="run one part only (default: all of them)")
+  add("--only", choices=PARTS,
+      help="run one part only (default: all of them but device, the prepared accelerator "
+           "check: see jsparse.benchmarks.device)")
+  add("--device-dir", metavar="DIR", type=Path, default=Path("jsparse-device-benchmark"),
+      help="where --only device writes results.json and its profiler trace")
+  add("--device-params", type=int, default=defaults["device_params"],
+      help="parameters of --only device's large layered tree")
   add("--json", metavar="FILE", type=Path,
       help="write every table's data and a 'machine' record to FILE")
   add("--plots", metavar="DIR", type=Path, help="write the figures as PNG files into DIR")
@@ -157,8 +163,8 @@ class _Progress:
 def _tables(args: argparse.Namespace) -> list[str]:
   """The tables this run makes, in order (the progress bar's steps)."""
   only, names = args.only, []
-  if only == "tunix":
-    return ["tunix"]
+  if only in ("tunix", "device"):
+    return [only]
   names.append("workload")
   if only in (None, "sync", "scale"):
     names += ["sync", "codings"]
@@ -237,6 +243,13 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
   from jsparse.examples import workload
 
   results: dict = {}
+  if args.only == "device":  # its own workload, sized for an accelerator
+    from jsparse.benchmarks import device
+    with table("device"):
+      results["device"] = device.run(str(args.device_dir), dim=args.dim, depth=args.depth,
+                                     vocab=args.vocab, pretrain_steps=args.pretrain_steps,
+                                     large_params=args.device_params, repeats=args.repeats)
+    return results
   if args.only == "tunix":  # its own run: no TinyLM workload needed
     with table("tunix"):
       results["tunix"] = tunix_loop.tunix_syncs()
