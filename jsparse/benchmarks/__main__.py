@@ -292,6 +292,12 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
                     core["dense bf16 copy"][0] / plan.num_elements)
       results["estimate"] = scale.estimate(compact, changed, ratio, measured_per_param=measured)
       scale.print_estimate(results["estimate"])
+      packed = results["sync"]["methods"][sync.METHODS[6]]
+      floors = {"compare-and-count": core["compare-and-count (floor)"][0],
+                "dense copy": core["dense bf16 copy"][0]}
+      results["packed_estimate"] = scale.packed_estimate(packed, changed, plan.num_elements,
+                                                         floors)
+      scale.print_packed_estimate(results["packed_estimate"])
     with table("coding"):
       step = results["sync"]["step"]
       results["coding"] = scale.coding_rates(plan, states[step - 1], states[step],

@@ -10,7 +10,9 @@ side in one run:
 - the sync table (bytes, encode, apply, end-to-end at 0.1 to 100 Gbit/s) of every method on
   the TinyLM step nearest 1%, and of the packed, ranked, lists and dense methods on a layered
   tree of ``large_params`` parameters after one RL-like step;
-- a ``jax.profiler`` trace of one packed sync, in ``out_dir/trace``.
+- a ``jax.profiler`` trace of one packed sync, in ``out_dir/trace``;
+- the 7B and 70B estimate at 1% over 10 and 100 Gbit/s from the device passes timed here
+  (:func:`~jsparse.benchmarks.scale.packed_estimate`).
 
 >>> import jax.numpy as jnp, jsparse
 >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, rollout_dtype=jnp.bfloat16)
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import jsparse
-from jsparse.benchmarks import sync
+from jsparse.benchmarks import scale, sync
 from jsparse.benchmarks.scale import LEAVES_PER_LAYER, layered_tree, rl_like_update
 from jsparse.examples import workload
 
@@ -133,6 +135,13 @@ def run(out_dir: str | None = "jsparse-device-benchmark", *, dim: int = 512, dep
   for name, r in large.items():
     say(f"{name:<46}{r['bytes']:>14,}" + "".join(f"{1e3 * r['e2e'][g]:>11.1f}"
                                                   for g in sync.LINKS_GBIT))
+  n = plan.num_elements
+  measured = ((packed["diff"] + packed["device_pack"]) / n,
+              (packed["device_unpack"] + packed["device_apply"]) / n)
+  rows["estimate"] = scale.packed_estimate(packed, changed, n, {}, per_param=measured)
+  if echo:
+    print()
+    scale.print_packed_estimate(rows["estimate"])
   say(f"\ndone in {time.perf_counter() - start:.0f} s")
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)

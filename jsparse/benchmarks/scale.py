@@ -261,6 +261,46 @@ def estimate(compact: dict, changed: int, device_ratio: float, density: float = 
   return rows
 
 
+def packed_estimate(packed: dict, changed: int, params_measured: int, floors: dict,
+                    density: float = 0.01,
+                    models: Sequence[int] = (7_000_000_000, 70_000_000_000),
+                    links_gbit: Sequence[float] = (10.0, 100.0),
+                    per_param: tuple[float, float] | None = None) -> list:
+  """:func:`estimate` for the packed coding (``packed``: its row of the sync benchmark, whose
+  step had ``changed`` changes among ``params_measured``), whose hosts only move bytes: its
+  host stages scale with the payload (this run's seconds per payload byte), its device passes
+  with the parameters. Device seconds per parameter (sender's, receiver's): ``per_param`` as
+  measured on an accelerator, else this run's ratios to the two floors (``floors``:
+  ``compare-and-count`` and ``dense copy`` seconds) at :data:`HBM_BYTES_PER_S` (8 and 6 bytes
+  per parameter). Dense as in :func:`estimate`; one row per model and link, 1 host core."""
+  if per_param is None:
+    send = (packed["diff"] + packed.get("device_pack", 0.0)) / floors["compare-and-count"]
+    receive = (packed.get("device_unpack", 0.0) + packed["device_apply"]) / floors["dense copy"]
+    per_param = (8 * send / HBM_BYTES_PER_S, 6 * receive / HBM_BYTES_PER_S)
+  host_per_byte = (packed["host_encode"] + packed["host_decode"]) / packed["bytes"]
+  rows = []
+  for params in models:
+    payload = density * params * packed["bytes"] / changed
+    device = params * (per_param[0] + per_param[1])
+    for gbit in links_gbit:
+      wire = payload * 8 / (gbit * 1e9)
+      dense = 6 * params / HBM_BYTES_PER_S + 2 * params * 8 / (gbit * 1e9)
+      rows.append({"params": params, "link_gbit": gbit, "payload_bytes": payload,
+                   "device": device, "host": payload * host_per_byte, "wire": wire,
+                   "sparse": device + payload * host_per_byte + wire, "dense": dense})
+  return rows
+
+
+def print_packed_estimate(rows: list) -> None:
+  print("estimate at 1% density, packed coding (device-coded: hosts move bytes)")
+  print(f"{'params':>6} {'link':>9} {'payload MB':>10} {'device s':>9} {'host s':>7} "
+        f"{'wire s':>7} {'sparse s':>9} {'dense s':>8} {'dense/sparse':>12}")
+  for r in rows:
+    print(f"{r['params'] / 1e9:>5g}B {r['link_gbit']:>5g} Gb/s {r['payload_bytes'] / 1e6:>10.1f} "
+          f"{r['device']:>9.2f} {r['host']:>7.2f} {r['wire']:>7.2f} {r['sparse']:>9.2f} "
+          f"{r['dense']:>8.2f} {r['dense'] / r['sparse']:>11.1f}x")
+
+
 def print_estimate(rows: list) -> None:
   device = ("device passes as timed on this accelerator" if rows and rows[0]["measured"]
             else f"assumed {HBM_BYTES_PER_S / 1e12:g} TB/s HBM")
