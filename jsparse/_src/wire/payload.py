@@ -83,8 +83,8 @@ class Coding(str, enum.Enum):
     :meth:`Receiver.receive` carry it; parts and streams of a packed sender carry ``RANKED``.
   - ``PACKED_POSITIONED`` (``"packed-positioned"``): format 3 with the positions of
     ``POSITIONED``: no ranking on either side (the least device work of the small codings),
-    but positions pack less well than ranks (~1.3 B/change on a trained model's step, more
-    where changes cluster); parts and streams carry ``POSITIONED``.
+    but in position order gaps and codes pack less well than in class order (~1.7 B/change
+    on a trained model's 1% step); parts and streams carry ``POSITIONED``.
   - ``AUTO``: per send, the one of the above that syncs fastest over the Sender's
     ``link_gbit``, predicted from rates measured once per process (``sync/auto.py``); recorded
     in :attr:`SendStats.coding`. Parts and streams carry ``RANKED``.
