@@ -149,6 +149,11 @@ def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool,
   return collect_body(plan, pack_chunks(plan, changes, full, ranked), changes, snapshot)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _pad_to(x: jax.Array, size: int) -> jax.Array:
+  return jnp.zeros((size,), x.dtype).at[:x.shape[0]].set(x)
+
+
 def _padded(values: np.ndarray | None, size: int, dtype: np.dtype) -> np.ndarray:
   out = np.zeros(size, dtype)
   if values is not None:
@@ -174,8 +179,8 @@ class StagedStreams(NamedTuple):
 
 def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
                   ) -> StagedStreams:
-  """The host half of :func:`receiver_inputs`: each chunk's streams padded to the sizes of its
-  slots and put on the first device of its leaves."""
+  """The host half of :func:`receiver_inputs`: each chunk's streams put on the first device of
+  its leaves and padded there to the sizes of its slots."""
   slots = programs.slots_needed(plan, body.counts)
   staged = []
   for c, stream in zip(chunks_of(plan), body.streams):
@@ -183,15 +188,19 @@ def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
     chunk_slots = tuple(slots[s] for s in ids)
     n_keys, n_codes = device_codes.stream_sizes(c.plan, chunk_slots)
     stream = stream or (None,) * 4
-    host = (_padded(stream[0], bitpack.num_blocks(n_keys), np.uint8),
-            _padded(stream[1], bitpack.num_blocks(n_keys) * bitpack.BLOCK + 1, np.uint32),
-            _padded(stream[2], bitpack.num_blocks(n_codes), np.uint8),
-            _padded(stream[3], bitpack.num_blocks(n_codes) * bitpack.BLOCK + 1, np.uint32),
-            body.counts[ids])
+    sizes = (bitpack.num_blocks(n_keys), bitpack.num_blocks(n_keys) * bitpack.BLOCK + 1,
+             bitpack.num_blocks(n_codes), bitpack.num_blocks(n_codes) * bitpack.BLOCK + 1)
+    dtypes = (np.uint8, np.uint32, np.uint8, np.uint32)
+    # Each array crosses at about its own size (a few sizes per doubling), and is padded to
+    # the static size of the chunk's slots on the device.
+    host = [_padded(values, min(copy_size(0 if values is None else len(values)), size), dtype)
+            for values, size, dtype in zip(stream, sizes, dtypes)]
     device = next(iter(replicated_on(flat[plan.segments[ids[0]].leaf_ids[0]])
                        .addressable_devices_indices_map((0,))))
+    arrays = [_pad_to(x, size) for x, size in zip(jax.device_put(host, device), sizes)]
     starts = tuple(_block_starts(plan.segments[s].blocks, body.block_counts[s]) for s in ids)
-    staged.append((device, chunk_slots, jax.device_put(host, device), starts))
+    staged.append((device, chunk_slots, (*arrays, jax.device_put(body.counts[ids], device)),
+                   starts))
   return StagedStreams(tuple(slots), staged)
 
 
