@@ -266,7 +266,8 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
                            "leaves": len(plan.leaves), "rollout_bytes": plan.rollout_bytes}
   if args.only in (None, "sync", "scale"):
     with table("sync"):
-      results["sync"] = sync.run(plan, states, repeats=args.repeats)
+      results["sync"] = sync.run(plan, states, repeats=args.repeats,
+                                 methods=sync.QUICK_METHODS if args.quick else sync.METHODS)
     with table("codings"):
       results["codings"] = bytes_by_coding(plan, states)
       print_bytes_by_coding(results["codings"])

@@ -354,7 +354,7 @@ def print_report(plan: jsparse.Plan, steps: list[dict], rows: dict, step: int) -
     print(f"  {name:<44}" + "  ".join(f"{base[g] / r['e2e'][g]:>6.1f}x" for g in LINKS_GBIT))
   print("\njsparse parts (ms): jitted diff step (+ pack) | host encode | host decode | "
         "(unpack +) jitted apply")
-  for name in METHODS[3:]:
+  for name in (m for m in METHODS[3:] if m in rows):
     r = rows[name]
     pack = f" +{1e3 * r['device_pack']:>5.1f}" if "device_pack" in r else " " * 7
     unpack = f"{1e3 * r['device_unpack']:>5.1f} + " if "device_unpack" in r else " " * 8
@@ -418,14 +418,22 @@ def one_percent_step(steps: list[dict]) -> int:
   return min(range(1, len(steps) + 1), key=lambda i: abs(steps[i - 1]["density"] - 0.01))
 
 
-def run(plan: jsparse.Plan, states: list, repeats: int = 5) -> dict:
+QUICK_METHODS = (METHODS[0], METHODS[1], METHODS[3], METHODS[4], METHODS[6])
+
+
+def run(plan: jsparse.Plan, states: list, repeats: int = 5,
+        methods: Sequence[str] = METHODS) -> dict:
+  """The sync tables of a run's step nearest 1% (``methods``: which of :data:`METHODS`; the
+  format-2 one is always among them, as the estimate needs it)."""
+  methods = tuple(dict.fromkeys((*methods, METHODS[4])))
   steps = per_step_sizes(plan, states)
   step = one_percent_step(steps)
-  rows = compare_methods(plan, states[step - 1], states[step], repeats)
+  rows = compare_methods(plan, states[step - 1], states[step], repeats, methods)
   print_report(plan, steps, rows, step)
   core = core_budgets(plan, states[step - 1], states[step], repeats)
   for name in METHODS[4:]:
-    print_device_ratios(name, rows[name], core)
+    if name in rows:
+      print_device_ratios(name, rows[name], core)
   return {"steps": steps, "step": step, "methods": rows, "core": core}
 
 
