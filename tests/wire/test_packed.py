@@ -31,15 +31,18 @@ def _values(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(_values())
-def test_bitpack_round_trips_any_values_and_counts_its_words_like_the_host(case):
+@given(_values(), st.sampled_from([bitpack.PAGE_BLOCKS, 1, 2]))
+def test_bitpack_round_trips_any_values_and_counts_its_words_like_the_host(case, page_blocks):
+  """Also with pages of 1 and 2 blocks: a long stream's pages, each starting on a word."""
   values, count = case
   size = max(1, len(values))
   values = np.pad(values, (0, size - len(values)))
-  widths, words, used = bitpack.pack(jnp.asarray(values), count)
-  assert int(used) == bitpack.num_words(np.asarray(widths), count)
+  widths, words, used = bitpack.pack(jnp.asarray(values), count, page_blocks)
+  assert int(used) == bitpack.num_words(np.asarray(widths), count, page_blocks)
+  assert words.shape == (bitpack.max_words(size, page_blocks),)
   assert not np.asarray(words)[int(used):].any()  # nothing written past the used words
-  out = bitpack.unpack(widths, words[:int(used)], count, size)  # reads past the end: 0 bits
+  # Reads past the end give 0 bits.
+  out = bitpack.unpack(widths, words[:int(used)], count, size, page_blocks)
   expected = np.where(np.arange(size) < count, values, 0)
   np.testing.assert_array_equal(np.asarray(out), expected)
 

@@ -28,7 +28,10 @@ import numpy as np
 from jax import lax
 
 BLOCK = 32
-MAX_VALUES = 1 << 26  # bit offsets are int32: a stream holds at most 2**26 values (2**31 bits)
+# Blocks per page: bit offsets are int32 within a page (2**24 values, at most 2**29 bits), and
+# each page starts on a word (its words: the page's used bits, rounded up), so a stream of any
+# length packs with int32 arithmetic only.
+PAGE_BLOCKS = 1 << 19
 
 
 def num_blocks(size: int) -> int:
@@ -36,56 +39,81 @@ def num_blocks(size: int) -> int:
   return -(-size // BLOCK)
 
 
-def num_words(widths: np.ndarray, count: int) -> int:
+def max_words(size: int, page_blocks: int = PAGE_BLOCKS) -> int:
+  """The words :func:`pack` returns for a stream of ``size`` values (what any count fills, and
+  one more)."""
+  blocks = num_blocks(size)
+  return blocks * BLOCK + -(-blocks // page_blocks) + 1
+
+
+def _block_values(num: int, count, xp):
+  """Values of each of ``num`` blocks below ``count`` (the last used block may be partial)."""
+  return xp.clip(count - BLOCK * xp.arange(num), 0, BLOCK)
+
+
+def num_words(widths: np.ndarray, count: int, page_blocks: int = PAGE_BLOCKS) -> int:
   """``uint32`` words that :func:`pack` fills with ``count`` values in blocks of ``widths``
-  (on the host): the last block holds only its values, not 32."""
-  values = np.clip(count - BLOCK * np.arange(len(widths)), 0, BLOCK)
-  return int((np.dot(np.asarray(widths, np.int64), values) + 31) // 32)
+  (on the host): per page, its values' bits (the last block holds only its values, not 32)
+  rounded up to whole words."""
+  bits = np.asarray(widths, np.int64) * _block_values(len(widths), count, np)
+  pages = np.add.reduceat(bits, np.arange(0, len(bits), page_blocks)) if len(bits) else bits
+  return int(np.sum((pages + 31) // 32))
 
 
-def _bit_offsets(widths: jax.Array) -> jax.Array:
-  """``int32[blocks, BLOCK]``: where each value of each block starts, in bits."""
+def _layout(widths: jax.Array, count, page_blocks: int) -> tuple[jax.Array, jax.Array,
+                                                                  jax.Array]:
+  """``(word, shift, used)``: per value of each block, the word it starts in and its bit
+  there (``int32[blocks, BLOCK]``, ``uint32``), and the words the first ``count`` values
+  fill."""
   widths = widths.astype(jnp.int32)
-  block_bits = widths * BLOCK
-  start = jnp.cumsum(block_bits) - block_bits
-  return start[:, None] + jnp.arange(BLOCK, dtype=jnp.int32)[None, :] * widths[:, None]
+  num = widths.shape[0]
+  pages = -(-num // page_blocks)
+  paged = jnp.zeros((pages * page_blocks,), jnp.int32).at[:num].set(widths)
+  paged = paged.reshape(pages, page_blocks)
+  block_bits = paged * BLOCK
+  start = (jnp.cumsum(block_bits, axis=1) - block_bits).reshape(-1)[:num]
+  used_bits = (paged.reshape(-1)[:num] * _block_values(num, count, jnp)).astype(jnp.int32)
+  page_bits = jnp.zeros((pages * page_blocks,), jnp.int32).at[:num].set(used_bits)
+  page_words = (jnp.sum(page_bits.reshape(pages, page_blocks), axis=1) + 31) // 32
+  page_start = jnp.cumsum(page_words) - page_words
+  offsets = start[:, None] + jnp.arange(BLOCK, dtype=jnp.int32)[None, :] * widths[:, None]
+  page_of = jnp.arange(num, dtype=jnp.int32) // page_blocks
+  word = page_start[page_of][:, None] + (offsets >> 5)
+  return word, (offsets & 31).astype(jnp.uint32), jnp.sum(page_words)
 
 
 def _blocked(values: jax.Array, count: jax.Array | int) -> jax.Array:
   """``values`` as ``uint32[blocks, BLOCK]``, zero past ``count``."""
   size = values.shape[0]
-  if size > MAX_VALUES:
-    raise ValueError(f"a packed stream holds at most {MAX_VALUES} values, got {size}")
   padded = jnp.zeros((num_blocks(size) * BLOCK,), jnp.uint32).at[:size].set(
       values.astype(jnp.uint32))
   used = jnp.arange(padded.shape[0], dtype=jnp.int32) < count
   return jnp.where(used, padded, jnp.uint32(0)).reshape(-1, BLOCK)
 
 
-def pack(values: jax.Array, count: jax.Array | int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def pack(values: jax.Array, count: jax.Array | int, page_blocks: int = PAGE_BLOCKS
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Packs the first ``count`` of ``values`` (unsigned ints of at most 32 bits).
 
   Returns:
     ``(widths, words, used)``: ``uint8[blocks]`` bit widths (0 for blocks past ``count``),
-    ``uint32[blocks * BLOCK + 1]`` words of which the first ``used`` (an ``int32`` scalar,
+    ``uint32[max_words(size)]`` words of which the first ``used`` (an ``int32`` scalar,
     :func:`num_words`) hold the values. Shapes depend on ``values.shape`` only.
   """
   blocks = _blocked(values, count)
   widths = jnp.max(32 - lax.clz(blocks), axis=1).astype(jnp.int32)
-  offsets = _bit_offsets(widths)
-  word, shift = offsets >> 5, (offsets & 31).astype(jnp.uint32)
+  word, shift, used = _layout(widths, count, page_blocks)
   low = blocks << shift
   # The bits that spill into the next word; none when the value starts a word.
   high = jnp.where(shift > 0, blocks >> (jnp.uint32(32) - jnp.maximum(shift, 1)), jnp.uint32(0))
-  words = jnp.zeros((blocks.size + 1,), jnp.uint32)
+  words = jnp.zeros((max_words(values.shape[0], page_blocks),), jnp.uint32)
   words = words.at[word.reshape(-1)].add(low.reshape(-1), mode="drop")
   words = words.at[word.reshape(-1) + 1].add(high.reshape(-1), mode="drop")
-  values = jnp.clip(count - BLOCK * jnp.arange(widths.shape[0], dtype=jnp.int32), 0, BLOCK)
-  used = (jnp.sum(widths * values) + 31) // 32
   return widths.astype(jnp.uint8), words, used
 
 
-def unpack(widths: jax.Array, words: jax.Array, count: jax.Array | int, size: int) -> jax.Array:
+def unpack(widths: jax.Array, words: jax.Array, count: jax.Array | int, size: int,
+           page_blocks: int = PAGE_BLOCKS) -> jax.Array:
   """Inverse of :func:`pack`: ``uint32[size]``, the first ``count`` values (0 after them).
 
   ``widths`` must be at most 32 each (check on the host); ``words`` may be of any length:
@@ -94,8 +122,7 @@ def unpack(widths: jax.Array, words: jax.Array, count: jax.Array | int, size: in
   widths = widths.astype(jnp.int32)
   if not words.shape[0]:
     words = jnp.zeros((1,), jnp.uint32)
-  offsets = _bit_offsets(widths)
-  word, shift = offsets >> 5, (offsets & 31).astype(jnp.uint32)
+  word, shift, _ = _layout(widths, count, page_blocks)
   low = jnp.take(words, word, mode="fill", fill_value=0)
   high = jnp.take(words, word + 1, mode="fill", fill_value=0)
   value = (low >> shift) | jnp.where(shift > 0, high << (jnp.uint32(32) - jnp.maximum(shift, 1)),

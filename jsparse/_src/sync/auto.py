@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 
 import jax
@@ -87,10 +88,20 @@ def _timed_sync(coding: Coding, plan, base: dict, new: dict) -> tuple[float, int
   return best, size, sender.last_stats.changed
 
 
-@functools.lru_cache(maxsize=None)
+_CALIBRATION = threading.Lock()
+
+
 def measured_rates(backend: str | None = None) -> dict:
   """Each candidate coding's :class:`CodingRate` on ``backend`` (default: JAX's default),
-  measured once per process (a few seconds, most of it compiling)."""
+  measured once per process (one thread at a time; most of it compiling: ~10 s on an idle
+  2-core CPU, more when it is busy). A sender with ``coding="auto"`` measures at its first
+  delta; call this at start-up to measure earlier."""
+  with _CALIBRATION:
+    return _measured_rates(backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_rates(backend: str | None) -> dict:
   from jsparse._src.core.plan import make_plan
   with jax.default_device(jax.devices(backend)[0]):
     base = _sample(0)
@@ -99,7 +110,9 @@ def measured_rates(backend: str | None = None) -> dict:
     rates = {}
     for coding in CANDIDATES:
       (t1, b1, k1), (t2, b2, k2) = (_timed_sync(coding, plan, base, new) for new in news)
-      per_change = max(0.0, (t2 - t1) / max(1, k2 - k1))
-      per_element = max(0.0, (t1 - per_change * k1) / SAMPLE_ELEMENTS)
+      per_change = (t2 - t1) / max(1, k2 - k1)
+      per_element = (t1 - per_change * k1) / SAMPLE_ELEMENTS
+      if per_change <= 0 or per_element < 0:  # timing noise: charge it all per change
+        per_change, per_element = t2 / max(1, k2), 0.0
       rates[coding] = CodingRate(per_element, per_change, (b1 + b2) / max(1, k1 + k2))
   return rates

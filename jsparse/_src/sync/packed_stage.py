@@ -4,7 +4,7 @@ device inputs. The device codes; the host moves words.
 Sender (:func:`packed_body`): each chunk with changes runs ``pack_program`` on the device (all
 chunks are dispatched first, so the device packs chunk ``k + 1`` while the host copies chunk
 ``k``); the host then copies only the used prefix of each stream (sliced on the device at one
-of a few sizes, at most 1/8 more than used) and frames it. Receiver (:func:`receiver_inputs`):
+of a few sizes, at most twice what is used) and frames it. Receiver (:func:`receiver_inputs`):
 each chunk's streams are padded to the chunk's static slot sizes, put on the device of its
 leaves, unpacked and checked there (one flag per chunk, read before anything is applied), and
 replicated over the devices of each segment's leaves, as ``staging.py`` does for the other
@@ -44,16 +44,13 @@ from jsparse._src.wire.payload import Mode, segment_host_bits
 
 
 def copy_size(n: int) -> int:
-  """The size a prefix of ``n`` elements is copied at: ``n`` rounded up to 16, or to 3
-  significant bits, so that few slice programs compile (about 8 per doubling).
+  """The size a prefix of ``n`` elements is copied at: a power of two (at least 256), so that
+  few copy programs compile (one per doubling), at most twice the bytes.
 
-  >>> [copy_size(n) for n in (0, 5, 17, 100, 1000, 1025)]
-  [16, 16, 18, 104, 1024, 1152]
+  >>> [copy_size(n) for n in (0, 5, 300, 1000, 1025)]
+  [256, 256, 512, 1024, 2048]
   """
-  if n <= 16:
-    return 16
-  step = 1 << max(0, n.bit_length() - 4)
-  return -(-n // step) * step
+  return max(256, 1 << max(0, n - 1).bit_length())
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -188,10 +185,10 @@ def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
     chunk_slots = tuple(slots[s] for s in ids)
     n_keys, n_codes = device_codes.stream_sizes(c.plan, chunk_slots)
     stream = stream or (None,) * 4
-    sizes = (bitpack.num_blocks(n_keys), bitpack.num_blocks(n_keys) * bitpack.BLOCK + 1,
-             bitpack.num_blocks(n_codes), bitpack.num_blocks(n_codes) * bitpack.BLOCK + 1)
+    sizes = (bitpack.num_blocks(n_keys), bitpack.max_words(n_keys),
+             bitpack.num_blocks(n_codes), bitpack.max_words(n_codes))
     dtypes = (np.uint8, np.uint32, np.uint8, np.uint32)
-    # Each array crosses at about its own size (a few sizes per doubling), and is padded to
+    # Each array crosses at about its own size (a power of two), and is padded to
     # the static size of the chunk's slots on the device.
     host = [_padded(values, min(copy_size(0 if values is None else len(values)), size), dtype)
             for values, size, dtype in zip(stream, sizes, dtypes)]

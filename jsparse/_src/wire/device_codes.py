@@ -77,14 +77,22 @@ def _from_words(words: jax.Array, bit_dtype: np.dtype) -> jax.Array:
 
 def class_order(classes: jax.Array, used: jax.Array) -> jax.Array:
   """Where each used entry goes when ``used`` entries are sorted stably by ``classes`` (0..15):
-  a counting sort by one-hot prefix sums, no sort."""
-  one_hot = ((classes[:, None].astype(jnp.int32) == jnp.arange(NUM_CLASSES)[None, :])
-             & used[:, None]).astype(jnp.int32)
-  running = jnp.cumsum(one_hot, axis=0)
-  total = running[-1]
-  below = jnp.cumsum(total) - total
+  a counting sort, one prefix sum per class (16, whatever the entries; no sort op), with
+  temporaries of a few bytes per entry.
+
+  >>> import jax.numpy as jnp
+  >>> class_order(jnp.array([3, 0, 3, 1]), jnp.array([True, True, True, False])).tolist()
+  [1, 0, 2, -1]
+  """
   cls = classes.astype(jnp.int32)
-  return below[cls] + jnp.take_along_axis(running, cls[:, None], axis=1)[:, 0] - 1
+  dest = jnp.full(cls.shape, -1, jnp.int32)
+  below = jnp.int32(0)
+  for c in range(NUM_CLASSES):
+    mine = (cls == c) & used
+    running = jnp.cumsum(mine.astype(jnp.int32))
+    dest = jnp.where(mine, below + running - 1, dest)
+    below = below + (running[-1] if cls.shape[0] else 0)
+  return dest
 
 
 def _gaps(keys: jax.Array) -> jax.Array:
