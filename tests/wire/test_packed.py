@@ -227,3 +227,41 @@ def test_auto_picks_the_fewest_bytes_on_slow_links_and_stays_exact():
   for sender, rx in ((slow, receiver), (fast, fast_receiver)):
     rx.receive(sender.send(newer))
     assert_trees_bitwise_equal(rx.params, plan.cast(newer))
+
+
+def test_runs_of_a_split_leaf_must_stay_in_their_blocks():
+  """A payload whose second block's run repeats (or enters) the first block's positions is
+  refused on the device, also by a donating receiver, with nothing applied."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jsparse._src.wire import packed
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  base = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
+  on_mesh = lambda x: {"w": jax.device_put(x, NamedSharding(mesh, P("fsdp")))}
+  plan = jsparse.make_plan(on_mesh(base), rollout_dtype=jnp.bfloat16, capacity=0.25)
+  new = base.copy()
+  for row, col in ((0, 5), (0, 7), (9, 3), (20, 0)):  # two in block 0, one in blocks 1, 2
+    new[row, col] += 1
+  data = jsparse.Sender(plan, on_mesh(base), coding="packed").send(on_mesh(new))
+  header, reader = framing.read_header(plan, data)
+  body = packed.decode_body(plan, header.kind, reader)
+  key_widths, key_words, code_widths, code_words = body.streams[0]
+  n = int(body.counts.sum())
+  gaps = np.asarray(bitpack.unpack(jnp.asarray(key_widths), jnp.asarray(key_words), n, n))
+  assert gaps[:2].tolist() == [5, 1]  # block 0's run: positions 5 and 7
+
+  def with_gaps(g):
+    widths, words, used = bitpack.pack(jnp.asarray(g.astype(np.uint32)), len(g))
+    streams = [(np.asarray(widths), np.asarray(words)[:int(used)], code_widths, code_words)]
+    return _reframed(data, packed.encode_body(plan, body.modes, body.counts,
+                                              {0: body.block_counts[0]}, streams, None))
+
+  assert with_gaps(gaps) == data
+  for first_of_second_run in (5, 6):  # a repeat of position 5; a position of block 0
+    forged = with_gaps(np.concatenate([gaps[:2], [first_of_second_run], gaps[3:]]))
+    for donate in (False, True):
+      receiver = jsparse.Receiver(plan, plan.cast(on_mesh(base)), donate=donate)
+      with pytest.raises(jsparse.PayloadError, match="out of range or out of order"):
+        receiver.receive(forged)
+      assert receiver.version == 0
+      assert_trees_bitwise_equal(jax.device_get(receiver.params),
+                                 jax.device_get(plan.cast(on_mesh(base))))

@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from jsparse._src.core import bitpack
-from jsparse._src.core.plan import Plan, Segment
+from jsparse._src.core.plan import LeafSpec, Plan, Segment
 from jsparse._src.wire import ulp_codes
 
 NUM_CLASSES = ulp_codes.NUM_CLASSES
@@ -154,10 +154,35 @@ def pack_program(plan: Plan, ranked: bool, keys: tuple, new: tuple, old: tuple,
   return (*bitpack.pack(gap_stream, key_start), *bitpack.pack(code_stream, code_start))
 
 
-def _segment_keys(seg: Segment, gaps: jax.Array, start: jax.Array, count: jax.Array,
-                  block_starts: jax.Array | None, slots: int) -> tuple[jax.Array, jax.Array]:
+def block_of(leaf: LeafSpec, positions: jax.Array) -> jax.Array:
+  """The trainer block (in the layout's row-major order of blocks) of each flat position of a
+  leaf split into blocks.
+
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> from jsparse._src.core.layout import Layout
+  >>> mesh = jax.sharding.AbstractMesh((2, 3), ('a', 'b'))
+  >>> leaf = LeafSpec('w', (4, 6), np.dtype('float32'), np.dtype('float32'),
+  ...                 Layout(mesh, (('a',), ('b',))))
+  >>> block_of(leaf, jnp.array([0, 2, 5, 12, 23])).tolist()
+  [0, 1, 2, 3, 5]
+  """
+  sizes, parts = leaf.layout.block_shape(leaf.shape), leaf.layout.parts
+  coords, rest = [], positions
+  for dim in reversed(leaf.shape):
+    coords.append(rest % dim)
+    rest = rest // dim
+  block = jnp.zeros_like(positions)
+  for coord, size, part in zip(reversed(coords), sizes, parts):
+    block = block * part + coord // size
+  return block
+
+
+def _segment_keys(plan: Plan, seg: Segment, gaps: jax.Array, start: jax.Array,
+                  count: jax.Array, block_starts: jax.Array | None, slots: int
+                  ) -> tuple[jax.Array, jax.Array]:
   """A segment's keys in ``slots`` slots (the segment size past ``count``) from the gaps
-  stream, and whether they are well formed (in range, ascending within each run)."""
+  stream, and whether they are well formed (in range, ascending within each run, and for a
+  leaf split into blocks, each run inside its block: so no position repeats)."""
   index = jnp.arange(slots, dtype=jnp.int32)
   used = index < count
   g = jnp.where(used, jnp.take(gaps, start + index, mode="fill", fill_value=0), 0)
@@ -170,7 +195,12 @@ def _segment_keys(seg: Segment, gaps: jax.Array, start: jax.Array, count: jax.Ar
   keys = running - jnp.uint32(1)
   size = jnp.uint32(seg.size)
   ok = jnp.all(~used | ((g < size) & (keys < size)))
-  return jnp.where(used, keys.astype(jnp.int32), seg.size), ok
+  out = jnp.where(used, keys.astype(jnp.int32), seg.size)
+  if block_starts is not None:
+    leaf = plan.leaves[seg.leaf_ids[0]]
+    inside = block_of(leaf, jnp.minimum(out, seg.size - 1)) == run
+    ok = ok & jnp.all(~used | inside)
+  return out, ok
 
 
 def _segment_values(seg: Segment, codes: jax.Array, start: jax.Array, count: jax.Array,
@@ -206,7 +236,7 @@ def unpack_program(plan: Plan, slots: tuple[int, ...], key_widths: jax.Array,
   codes = bitpack.unpack(code_widths, code_words, jnp.sum(counts * per_change), total_codes)
   keys_out, values_out, ok = [], [], jnp.bool_(True)
   for s, (seg, n) in enumerate(zip(plan.segments, slots)):
-    keys, keys_ok = _segment_keys(seg, gaps, key_start[s], counts[s], block_starts[s], n)
+    keys, keys_ok = _segment_keys(plan, seg, gaps, key_start[s], counts[s], block_starts[s], n)
     values, values_ok = _segment_values(seg, codes, code_start[s], counts[s], n)
     keys_out.append(keys)
     values_out.append(values)
