@@ -392,13 +392,14 @@ def test_a_sender_refuses_a_version_past_int64():
   assert sender.version == 2**63 - 1
 
 
-def test_a_failed_encode_leaves_the_sender_on_an_anchor(monkeypatch):
+@pytest.mark.parametrize("stage", ["encode_records", "frame"])  # the body; the bytes around it
+def test_a_failed_encode_leaves_the_sender_on_an_anchor(monkeypatch, stage):
   params = {"w": jnp.zeros(100)}
   plan, sender, receiver = _pair(params)
 
   def broken(*args):
     raise RuntimeError("disk full")
-  monkeypatch.setattr(framing, "encode", broken)
+  monkeypatch.setattr(framing, stage, broken)
   with pytest.raises(RuntimeError):
     sender.send({"w": jnp.ones(100)})
   monkeypatch.undo()
