@@ -53,7 +53,15 @@ class TinyLM(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Sizes and schedule. The defaults give a ~2.6M-parameter model."""
+  """Sizes and schedule. The defaults give a ~2.6M-parameter model.
+
+  Attributes:
+    vocab, dim, depth: the model's vocabulary, width and residual blocks.
+    batch, seq: sequences per batch and tokens per sequence.
+    pretrain_steps, pretrain_lr: the AdamW pretraining that makes the weights realistic.
+    rl_lr: the AdamW learning rate of the RL-like steps after it.
+    seed: of the model's initialization and of the data.
+  """
 
   vocab: int = 2048
   dim: int = 256

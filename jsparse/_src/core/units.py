@@ -85,13 +85,21 @@ def block_box(layout: Layout, shape: tuple[int, ...], block: int) -> Box:
   return tuple((int(i) * n, (int(i) + 1) * n) for i, n in zip(index, sizes))
 
 
-def to_unit_positions(plan: Plan, unit: Unit, positions: np.ndarray) -> np.ndarray:
-  """Segment positions (inside the unit's blocks) as positions in the unit's index space."""
+def _split_geometry(plan: Plan, unit: Unit) -> tuple | None:
+  """``(leaf, layout, block shape as an array)`` of a unit of a leaf split into blocks, or None
+  for a unit of a whole segment (whose positions are the segment's)."""
   seg = plan.segments[unit.segment]
   if seg.blocks == 1:
-    return np.asarray(positions, np.int64)
+    return None
   leaf, layout = _split_leaf(plan, seg)
-  sizes = np.array(layout.block_shape(leaf.shape))
+  return leaf, layout, np.array(layout.block_shape(leaf.shape))
+
+
+def to_unit_positions(plan: Plan, unit: Unit, positions: np.ndarray) -> np.ndarray:
+  """Segment positions (inside the unit's blocks) as positions in the unit's index space."""
+  if (geometry := _split_geometry(plan, unit)) is None:
+    return np.asarray(positions, np.int64)
+  leaf, layout, sizes = geometry
   multi = np.stack(np.unravel_index(np.asarray(positions, np.int64), leaf.shape))
   blocks = np.ravel_multi_index(tuple(multi // sizes[:, None]), layout.parts)
   slot_of = np.full(layout.blocks, -1, np.int64)
@@ -102,11 +110,9 @@ def to_unit_positions(plan: Plan, unit: Unit, positions: np.ndarray) -> np.ndarr
 
 def to_segment_positions(plan: Plan, unit: Unit, positions: np.ndarray) -> np.ndarray:
   """Inverse of :func:`to_unit_positions`."""
-  seg = plan.segments[unit.segment]
-  if seg.blocks == 1:
+  if (geometry := _split_geometry(plan, unit)) is None:
     return np.asarray(positions, np.int64)
-  leaf, layout = _split_leaf(plan, seg)
-  sizes = np.array(layout.block_shape(leaf.shape))
+  leaf, layout, sizes = geometry
   positions = np.asarray(positions, np.int64)
   blocks = np.asarray(unit.blocks, np.int64)[positions // math.prod(sizes)]
   starts = np.stack(np.unravel_index(blocks, layout.parts)) * sizes[:, None]
