@@ -258,7 +258,7 @@ def packed_stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after:
       plan, head, packed_stage.collect_body(plan, packing, changes, rollout)), repeats=repeats)
   body = _packed_body(plan, data)
   row["host_decode"] = _best(
-      lambda: packed_stage.stage_streams(plan, rollout, _packed_body(plan, data)).chunks,
+      lambda: packed_stage.stage_streams(plan, rollout, _packed_body(plan, data)),
       repeats=repeats)
   staged = packed_stage.stage_streams(plan, rollout, body)
   row["device_unpack"] = _best(

@@ -93,7 +93,7 @@ _CALIBRATION = threading.Lock()
 
 def measured_rates(backend: str | None = None) -> dict:
   """Each candidate coding's :class:`CodingRate` on ``backend`` (default: JAX's default),
-  measured once per process (one thread at a time; most of it compiling: ~10 s on an idle
+  measured once per process (one thread at a time; most of it compiling: 15 s on an idle
   2-core CPU, more when it is busy). A sender with ``coding="auto"`` measures at its first
   delta; call this at start-up to measure earlier."""
   with _CALIBRATION:

@@ -38,7 +38,7 @@ from jsparse._src.core.units import local_value
 from jsparse._src.errors import PayloadError
 from jsparse._src.sync import programs
 from jsparse._src.sync.programs import DeviceChanges, ReceiverInputs
-from jsparse._src.sync.staging import replicated_copies
+from jsparse._src.sync.staging import replicated_copies, staging_device
 from jsparse._src.wire import device_codes, packed
 from jsparse._src.wire.payload import Mode, segment_host_bits
 
@@ -69,11 +69,9 @@ def _host_prefix(x: jax.Array, n: int) -> np.ndarray:
 def _replicated(tree):
   """``tree``'s arrays whole on each of their devices: the slots of a leaf the trainer splits
   into blocks are laid out like it (they are small: a few per cent of the leaf)."""
-  def whole(x):
-    if x is None or x.sharding.is_fully_replicated:
-      return x
-    return jax.device_put(x, replicated_on(x))
-  return jax.tree.map(whole, tree)
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef,
+                            replicated_copies(leaves, [replicated_on(x) for x in leaves]))
 
 
 def segment_modes(plan: Plan, counts: np.ndarray, overflow: np.ndarray, full: bool,
@@ -166,18 +164,10 @@ def _block_starts(blocks: int, counts: np.ndarray | None) -> np.ndarray | None:
   return (np.cumsum(counts) - counts).astype(np.int32)
 
 
-class StagedStreams(NamedTuple):
-  """A format-3 body's streams on the receiver's devices, padded to static sizes
-  (:func:`stage_streams`)."""
-
-  slots: tuple[int, ...]
-  chunks: list  # per chunk: (device, slots, widths and words on the device, block starts)
-
-
-def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
-                  ) -> StagedStreams:
+def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody) -> list:
   """The host half of :func:`receiver_inputs`: each chunk's streams put on the first device of
-  its leaves and padded there to the sizes of its slots."""
+  its leaves and padded there to the sizes of its slots; per chunk ``(device, slots, arrays,
+  block starts)``."""
   slots = programs.slots_needed(plan, body.counts)
   staged = []
   for c, stream in zip(chunks_of(plan), body.streams):
@@ -192,23 +182,22 @@ def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
     # the static size of the chunk's slots on the device.
     host = [_padded(values, min(copy_size(0 if values is None else len(values)), size), dtype)
             for values, size, dtype in zip(stream, sizes, dtypes)]
-    device = next(iter(replicated_on(flat[plan.segments[ids[0]].leaf_ids[0]])
-                       .addressable_devices_indices_map((0,))))
+    device = staging_device(replicated_on(flat[plan.segments[ids[0]].leaf_ids[0]]))
     arrays = [_pad_to(x, size) for x, size in zip(jax.device_put(host, device), sizes)]
     starts = tuple(_block_starts(plan.segments[s].blocks, body.block_counts[s]) for s in ids)
     staged.append((device, chunk_slots, (*arrays, jax.device_put(body.counts[ids], device)),
                    starts))
-  return StagedStreams(tuple(slots), staged)
+  return staged
 
 
-def unpack_streams(plan: Plan, flat: Sequence[jax.Array], staged: StagedStreams,
+def unpack_streams(plan: Plan, flat: Sequence[jax.Array], staged: list,
                    counts: np.ndarray, ranked: tuple[bool, ...]) -> ReceiverInputs:
   """The device half of :func:`receiver_inputs`: unpacks and checks every chunk, then
   replicates each segment's slots over the devices of its leaves."""
   shardings = [replicated_on(flat[seg.leaf_ids[0]]) for seg in plan.segments]
   keys, values = [None] * len(plan.segments), [None] * len(plan.segments)
   checks = []
-  for c, (device, chunk_slots, arrays, starts) in zip(chunks_of(plan), staged.chunks):
+  for c, (device, chunk_slots, arrays, starts) in zip(chunks_of(plan), staged):
     with jax.default_device(device):
       chunk_keys, chunk_values, ok = device_codes.unpack_program(c.plan, chunk_slots, *arrays,
                                                                  starts)

@@ -109,6 +109,12 @@ def compile_slots(plan: Plan, devices: Sequence, segment: int, slots: int) -> No
   _COMPILED.add(key)
 
 
+def staging_device(sharding) -> jax.Device:
+  """Where a segment's records are staged and its slots filled: the first device of this
+  process that ``sharding`` (the segment's replicated one) names."""
+  return next(iter(sharding.addressable_devices_indices_map((0,))))
+
+
 def replicated_copies(arrays: Sequence[jax.Array], shardings: Sequence) -> list[jax.Array]:
   """Each of ``arrays`` (on one device) copied to every device of this process that its
   sharding (a replicated one) names, as one array: no data crosses processes. Arrays where they
@@ -142,8 +148,7 @@ class StagedRecords:
     self._families = [programs.receiver_family(c, flat) for c in chunks_of(plan)]
     self._shardings = [replicated_on(flat[seg.leaf_ids[0]]) for seg in plan.segments]
     # Where a segment's blocks are staged and its slots filled: a device of this process.
-    self._devices = [next(iter(sharding.addressable_devices_indices_map((0,))))
-                     for sharding in self._shardings]
+    self._devices = [staging_device(sharding) for sharding in self._shardings]
     self._blocks: list[list[tuple]] = [[] for _ in plan.segments]
     self._counts = np.zeros(len(plan.segments), np.int64)
     self._lock = threading.Lock()

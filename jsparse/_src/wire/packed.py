@@ -63,7 +63,7 @@ class PackedBody:
   block_counts: tuple
   streams: tuple
   dense: dict
-  ranked: tuple[bool, ...] = ()
+  ranked: tuple[bool, ...]
 
 
 def encode_stream(widths: np.ndarray, words: np.ndarray) -> bytes:
