@@ -43,7 +43,8 @@ def split(plan, data, k):
 # Every layout pair with the default coding; the other codings on three pairs (a split
 # trainer, a split rollout, both split on two axes): their coding differs, not their layouts.
 CASES = ([(t, r, "ranked") for t, r in PAIRS]
-         + [(t, r, c) for t, r in (PAIRS[0], PAIRS[4], PAIRS[5]) for c in ("positioned", "lists")])
+         + [(t, r, c) for t, r in (PAIRS[0], PAIRS[4], PAIRS[5])
+            for c in ("positioned", "lists", "packed", "packed-positioned")])
 
 
 @pytest.mark.parametrize("trainer, rollout, coding", CASES)
@@ -53,6 +54,7 @@ def test_parts_are_exact_across_layouts_codings_and_overflow(trainer, rollout, c
   for step, density in enumerate([0.02, 0.6, 0.01]):  # 0.6 overflows: dense units
     base = {k: strategies.perturb(rng, v, density) for k, v in base.items()}
     part = sender.send_part(place(base, trainer), full=step == 2 and coding == "lists")
+    assert parts_wire.read_index(plan, part).header.format == jsparse.Coding(coding).format
     out = receiver.receive_parts(split(plan, part, 3) if step else [part])
     assert_trees_bitwise_equal(out, plan.cast(base))
     assert_layout(out, shardings)

@@ -22,11 +22,12 @@ def _layers(rng, n=6):
                         "b": strategies.random_bits(rng, (30,), np.float32)} for i in range(n)}
 
 
-def _setup(rng, capacity=0.1):
+def _setup(rng, capacity=0.1, coding="ranked"):
   params = jax.tree.map(jnp.asarray, _layers(rng))
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=capacity,
                            bucket_size=1000)
-  return params, plan, jsparse.Sender(plan, params), jsparse.Receiver(plan, plan.cast(params))
+  return (params, plan, jsparse.Sender(plan, params, coding=coding),
+          jsparse.Receiver(plan, plan.cast(params)))
 
 
 def _perturb(rng, params, density):
@@ -34,9 +35,10 @@ def _perturb(rng, params, density):
                       params)
 
 
-def test_stream_versions_are_exact_and_parts_are_bounded():
+@pytest.mark.parametrize("coding", ["ranked", "lists", "packed", "packed-positioned"])
+def test_stream_versions_are_exact_and_parts_are_bounded(coding):
   rng = np.random.default_rng(0)
-  params, plan, sender, receiver = _setup(rng)
+  params, plan, sender, receiver = _setup(rng, coding=coding)
   for step, (density, full) in enumerate([(0.02, False), (0.6, False), (0.01, True),
                                           (0.0, False)]):  # sparse, overflow, anchor, nothing
     params = _perturb(rng, params, density)
@@ -61,12 +63,14 @@ def test_a_streamed_version_is_also_received_whole():
   assert_trees_bitwise_equal(receiver.receive_parts(parts), plan.cast(params))
 
 
-@pytest.mark.parametrize("trainer, rollout", [PAIRS[4], PAIRS[5]])
-def test_streams_across_layouts(trainer, rollout):
+@pytest.mark.parametrize("trainer, rollout, coding", [(*PAIRS[4], "ranked"),
+                                                      (*PAIRS[5], "ranked"),
+                                                      (*PAIRS[5], "packed")])
+def test_streams_across_layouts(trainer, rollout, coding):
   base, _ = trees(3, 0.0)
   plan = jsparse.make_plan(place(base, trainer), rollout_dtype=jnp.bfloat16, capacity=0.1,
                            bucket_size=256)
-  sender = jsparse.Sender(plan, place(base, trainer))
+  sender = jsparse.Sender(plan, place(base, trainer), coding=coding)
   receiver = jsparse.Receiver(plan, plan.cast(place(jax.tree.map(np.asarray, base), rollout)))
   rng = np.random.default_rng(4)
   for density in (0.02, 0.6):

@@ -79,7 +79,7 @@ def _structure(plan: Plan, seg: Segment) -> tuple:
   return (leaves, seg.offsets, seg.size, seg.capacity, seg.dtype, seg.blocks, seg.ordered)
 
 
-def _sub_plan(plan: Plan, segment_ids: Sequence[int]) -> Plan:
+def sub_plan(plan: Plan, segment_ids: Sequence[int]) -> Plan:
   leaves: list[LeafSpec] = []
   segments = []
   for s in segment_ids:
@@ -122,7 +122,7 @@ def chunks_of(plan: Plan) -> tuple[Chunk, ...]:
     leaves += n
   runs += [run for run in mixed if run]
   return tuple(Chunk(tuple(ids), tuple(i for s in ids for i in plan.segments[s].leaf_ids),
-                     _sub_plan(plan, ids))
+                     sub_plan(plan, ids))
                for ids in sorted(runs))
 
 

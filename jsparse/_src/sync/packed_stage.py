@@ -58,7 +58,7 @@ def _prefix(x: jax.Array, size: int) -> jax.Array:
   return x[:size]
 
 
-def _host_prefix(x: jax.Array, n: int) -> np.ndarray:
+def host_prefix(x: jax.Array, n: int) -> np.ndarray:
   """The first ``n`` elements of device array ``x`` on the host, copying about ``n``."""
   size = copy_size(n)
   if size >= x.shape[0]:
@@ -127,10 +127,10 @@ def collect_body(plan: Plan, packing: Packing, changes: DeviceChanges, snapshot:
     n_keys = int(counts[ids].sum())
     n_codes = sum(int(counts[s]) * device_codes.values_per_change(plan.segments[s])
                   for s in ids)
-    streams.append((_host_prefix(key_widths, bitpack.num_blocks(n_keys)),
-                    _host_prefix(key_words, int(key_used)),
-                    _host_prefix(code_widths, bitpack.num_blocks(n_codes)),
-                    _host_prefix(code_words, int(code_used))))
+    streams.append((host_prefix(key_widths, bitpack.num_blocks(n_keys)),
+                    host_prefix(key_words, int(key_used)),
+                    host_prefix(code_widths, bitpack.num_blocks(n_codes)),
+                    host_prefix(code_words, int(code_used))))
   block_counts = {s: local_value(changes.block_counts[s]) for s in np.flatnonzero(counts)
                   if plan.segments[s].blocks > 1}
   return packed.encode_body(plan, packing.modes, counts, block_counts, streams,
@@ -145,11 +145,11 @@ def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool,
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _pad_to(x: jax.Array, size: int) -> jax.Array:
+def pad_to(x: jax.Array, size: int) -> jax.Array:
   return jnp.zeros((size,), x.dtype).at[:x.shape[0]].set(x)
 
 
-def _padded(values: np.ndarray | None, size: int, dtype: np.dtype) -> np.ndarray:
+def padded(values: np.ndarray | None, size: int, dtype: np.dtype) -> np.ndarray:
   out = np.zeros(size, dtype)
   if values is not None:
     out[:len(values)] = values
@@ -180,10 +180,10 @@ def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
     dtypes = (np.uint8, np.uint32, np.uint8, np.uint32)
     # Each array crosses at about its own size (a power of two), and is padded to
     # the static size of the chunk's slots on the device.
-    host = [_padded(values, min(copy_size(0 if values is None else len(values)), size), dtype)
+    host = [padded(values, min(copy_size(0 if values is None else len(values)), size), dtype)
             for values, size, dtype in zip(stream, sizes, dtypes)]
     device = staging_device(replicated_on(flat[plan.segments[ids[0]].leaf_ids[0]]))
-    arrays = [_pad_to(x, size) for x, size in zip(jax.device_put(host, device), sizes)]
+    arrays = [pad_to(x, size) for x, size in zip(jax.device_put(host, device), sizes)]
     starts = tuple(_block_starts(plan.segments[s].blocks, body.block_counts[s]) for s in ids)
     staged.append((device, chunk_slots, (*arrays, jax.device_put(body.counts[ids], device)),
                    starts))

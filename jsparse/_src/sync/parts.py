@@ -31,20 +31,26 @@ from jsparse._src.core.units import (Unit, block_box, local_value, needs_unit, o
                                      owned_slots, process_boxes, to_segment_positions,
                                      to_unit_positions, unit_slot, write_regions)
 from jsparse._src.errors import ArgumentError, JsparseError, PayloadError
+from jsparse._src.sync import packed_units
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
 from jsparse._src.threads import parallel_map
+from jsparse._src.wire.packed import PackedRecord
 from jsparse._src.wire.parts import PartHeader, PartIndex, read_index, read_unit
-from jsparse._src.wire.payload import (Coding, Mode, SegmentPayload, segment_host_bits,
+from jsparse._src.wire.payload import (Coding, Format, Mode, SegmentPayload, segment_host_bits,
                                        sparse_record)
 
 
 def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: DeviceChanges,
                  snapshot: Sequence[jax.Array], full: bool) -> list[SegmentPayload]:
   """The records of ``units`` (owned by this process), from a diff's device outputs and the new
-  ``snapshot``: dense for an anchor or an overflowed block, else sparse in the unit's space."""
+  ``snapshot``: dense for an anchor or an overflowed block, else sparse in the unit's space
+  (for a packed ``coding``, packed on the device: ``packed_units.py``)."""
   if full:
     return dense_records(plan, units, snapshot)
+  if coding.format == Format.PACKED:
+    return packed_units.unit_records(plan, coding.ranked, units, changes,
+                                     lambda unit: dense_records(plan, [unit], snapshot)[0])
   delta = changes.delta
   counts, overflow = local_value(delta.counts), local_value(delta.overflow)
   records = []
@@ -152,6 +158,7 @@ class PartsReader:
     self._coverage = _Coverage(plan)
     self._units_read = 0
     self._bytes_read = 0
+    self._checks: list[jax.Array] = []  # per packed unit staged: its device's check
 
   def add(self, data, index: PartIndex | None = None) -> PartIndex:
     """Checks part ``data`` (bytes, or anything with ``len`` and slicing) against the plan and
@@ -183,6 +190,9 @@ class PartsReader:
     unit, record = index.entries[i].unit, read_unit(self.plan, index, data, i)
     if record.mode == Mode.DENSE:
       return unit, record
+    if isinstance(record, PackedRecord):
+      self._checks.append(packed_units.stage_unit(self.plan, unit, record, self._staged))
+      return None
     if record.count:
       keys = record.indices if record.mode == Mode.BY_RANK else \
           to_segment_positions(self.plan, unit, record.indices)
@@ -200,6 +210,9 @@ class PartsReader:
       raise PayloadError("no parts given: add every part of the version before finishing")
     _check_one_version(self._indexes, complete=True)
     counts = self._coverage.complete()
+    if not all(bool(ok) for ok in self._checks):
+      raise PayloadError("a packed part names a change out of its unit or out of order, or "
+                         "codes a value wider than its dtype: nothing was applied")
     indexes = self._indexes
     stats = ReadStats(len(indexes), sum(len(i.entries) for i in indexes), self._units_read,
                       sum(i.size for i in indexes), self._bytes_read)

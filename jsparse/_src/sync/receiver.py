@@ -195,7 +195,7 @@ class Receiver:
       digest = programs.leaves_digest(self.plan, flat, self._layouts)
     else:
       inputs = staged.inputs(ranked=ranked_segments(self.plan, modes),
-                             coded=header.format == Format.COMPACT)
+                             coded=header.format.coded)
       flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
                                            donate=self._donate)
     self._verify_and_commit(header, flat, digest_bytes(digest))
@@ -282,7 +282,7 @@ class Receiver:
     else:
       inputs = read.staged.inputs(
           ranked=tuple(seg.ordered and read.header.ranked for seg in self.plan.segments),
-          coded=read.header.format == Format.COMPACT, slot_counts=read.sparse_counts)
+          coded=read.header.format.coded, slot_counts=read.sparse_counts)
       flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
                                            donate=self._donate)
     self._verify_and_commit(read.header, flat, digest_bytes(digest))

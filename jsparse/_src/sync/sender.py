@@ -309,7 +309,7 @@ class Sender:
     1.0
     """
     def mine(changes: programs.DeviceChanges, snapshot: list, full: bool) -> list:
-      return part_records(self.plan, self.coding.records, self._units, changes, snapshot, full)
+      return part_records(self.plan, self.coding.parts, self._units, changes, snapshot, full)
 
     with self._anchor_next_if_moved():
       head, records = self._step(params, full, version, mine)
@@ -354,9 +354,10 @@ class Sender:
 
     return self._part_stream(
         head, pieces, per_process,
-        lambda piece: part_records(self.plan, self.coding.records, piece, changes, snapshot,
+        lambda piece: part_records(self.plan, self.coding.parts, piece, changes, snapshot,
                                    full),
-        done, None if full else functools.partial(start_host_copies, changes))
+        done, None if full or self.coding.parts.format == Format.PACKED
+        else functools.partial(start_host_copies, changes))  # packed: the device packs
 
   def anchor_stream(self, *, chunk_bytes: int = 64 << 20) -> PartStream:
     """An anchor of the *current* version (the snapshot, every unit dense) as a stream of parts
@@ -386,7 +387,7 @@ class Sender:
                          "state: send a first version (sender.send(params)) before an "
                          "anchor, or create the Sender with version >= 1")
     pieces, per_process = self._stream_pieces(chunk_bytes)
-    head = PartHeader(self.coding.records.format, Kind.ANCHOR, False, self.version - 1,
+    head = PartHeader(self.coding.parts.format, Kind.ANCHOR, False, self.version - 1,
                       self.version, bytes(8), self.digest, 0, 1)
     snapshot = self._snapshot
     return self._part_stream(head, pieces, per_process,
@@ -448,7 +449,7 @@ class Sender:
       raise VersionError("an anchor of version 0 would not be newer than any receiver's "
                          "state: send a first version (sender.send(params)) before an "
                          "anchor, or create the Sender with version >= 1")
-    head = PartHeader(self.coding.records.format, Kind.ANCHOR, False, self.version - 1,
+    head = PartHeader(self.coding.parts.format, Kind.ANCHOR, False, self.version - 1,
                       self.version, bytes(8), self.digest, 0, 1)
     return self._encode_part(head, dense_records(self.plan, self._units, self._snapshot))
 
@@ -482,7 +483,7 @@ class Sender:
         self._snapshot_lost = self._needs_anchor = True
       raise
     new_bits = digest_bytes(digest)
-    head = PartHeader(self.coding.records.format, Kind.ANCHOR if full else Kind.DELTA,
+    head = PartHeader(self.coding.parts.format, Kind.ANCHOR if full else Kind.DELTA,
                       self.coding.ranked and not full, self.version, version, self.digest,
                       versioned_digest(new_bits, version), 0, 1)
     self.version, self._bits = version, new_bits  # the snapshot has moved: so do they

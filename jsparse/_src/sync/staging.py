@@ -38,7 +38,7 @@ from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.core.chunks import chunks_of
 from jsparse._src.sync import programs
 from jsparse._src.sync.programs import ReceiverInputs
-from jsparse._src.wire.payload import Format, Mode, Payload, SegmentPayload, ranked_segments
+from jsparse._src.wire.payload import Mode, Payload, SegmentPayload, ranked_segments
 
 MAX_BLOCK = 1 << 16  # changes per staged block: bounds the host's padding and the scatter
 
@@ -173,6 +173,17 @@ class StagedRecords:
       self._blocks[segment] += blocks
       self._counts[segment] += len(keys)
 
+  def device(self, segment: int) -> jax.Device:
+    """The device ``segment``'s changes are staged on."""
+    return self._devices[segment]
+
+  def add_device(self, segment: int, keys: jax.Array, values: jax.Array, count: int) -> None:
+    """Stages the first ``count`` changes of ``segment`` held on :meth:`device` already (e.g.
+    unpacked there): keys and values as :meth:`add` takes them."""
+    with self._lock:
+      self._blocks[segment].append((keys, values, count))
+      self._counts[segment] += count
+
   def inputs(self, *, ranked: Sequence[bool], coded: bool, slot_counts=None) -> ReceiverInputs:
     """The :class:`~programs.ReceiverInputs` of the staged records, on the devices. Slots are
     sized by ``slot_counts`` (per segment, the changes of the whole version, which a rollout
@@ -236,4 +247,4 @@ def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], header: Payload,
   ``records`` as ``framing.decode_lazily`` gives them) for a receiver holding ``flat``."""
   staged, _, modes = stage_records(plan, flat, records)
   return staged.inputs(ranked=ranked_segments(plan, modes),
-                       coded=header.format == Format.COMPACT)
+                       coded=header.format.coded)

@@ -34,10 +34,11 @@ import numpy as np
 
 from jsparse._src.core import bitpack
 from jsparse._src.core.chunks import chunks_of
-from jsparse._src.core.plan import Plan
+from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.errors import PayloadError
 from jsparse._src.wire.device_codes import values_per_change
-from jsparse._src.wire.payload import RECORD, Kind, Mode, check_modes, ranked_segments
+from jsparse._src.wire.payload import (RECORD, Kind, Mode, SegmentPayload, check_modes,
+                                       ranked_segments)
 from jsparse._src.wire.reader import Reader
 
 _U32 = struct.Struct("<I")
@@ -64,6 +65,38 @@ class PackedBody:
   streams: tuple
   dense: dict
   ranked: tuple[bool, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRecord:
+  """A sparse unit's record in a packed part (``wire/parts.py``): ``count`` changes of
+  ``mode`` (``BY_RANK``, ``BY_POSITION``; ``EMPTY``: none, ``streams`` None), their
+  ``streams`` as :attr:`PackedBody.streams` has them per chunk."""
+
+  mode: Mode
+  count: int
+  streams: tuple | None
+
+
+def encode_unit(record) -> bytes:
+  """A unit's body in a packed part: a :class:`PackedRecord`'s streams, or a dense record's
+  bits (little-endian)."""
+  if record.mode == Mode.DENSE:
+    return np.ascontiguousarray(record.values, record.values.dtype.newbyteorder("<")).tobytes()
+  keys, codes = record.streams[:2], record.streams[2:]
+  return encode_stream(*keys) + encode_stream(*codes)
+
+
+def decode_unit(slot: Segment, mode: Mode, count: int, reader: Reader, where: str):
+  """Inverse of :func:`encode_unit` for a unit of ``slot`` whose table entry states ``mode``
+  and ``count``: a dense ``SegmentPayload``, or a :class:`PackedRecord` whose streams are
+  checked as far as the host can (their keys and codes are checked on the device)."""
+  if mode == Mode.DENSE:
+    return SegmentPayload(Mode.DENSE, None, reader.array(slot.bit_dtype, slot.size,
+                                                         f"{where} dense"))
+  keys = read_stream(reader, count, f"{where} keys")
+  codes = read_stream(reader, count * values_per_change(slot), f"{where} codes")
+  return PackedRecord(Mode(mode), count, (*keys, *codes))
 
 
 def encode_stream(widths: np.ndarray, words: np.ndarray) -> bytes:

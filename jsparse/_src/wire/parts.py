@@ -11,7 +11,8 @@ that overlap its own blocks. Layout, little-endian::
           | runs u16 | per run of consecutive blocks: first block u32, blocks u32
   crc     crc32 of header and table, u32
   bodies  per unit in table order: its record as a one-segment body of the format
-          (``compact.py`` or ``lists.py``) in the unit's own index space (``units.py``)
+          (``lists.py``, ``compact.py``, or ``packed.py``'s unit body) in the unit's own index
+          space (``units.py``)
 
 >>> import numpy as np, jax.numpy as jnp, jsparse
 >>> from jsparse._src.wire.payload import Mode, SegmentPayload, Format, Kind
@@ -37,7 +38,7 @@ from jsparse._src.core.plan import Plan
 from jsparse._src.errors import PayloadError
 from jsparse._src.threads import parallel_map
 from jsparse._src.core.units import Unit, unit_slots
-from jsparse._src.wire import compact, lists
+from jsparse._src.wire import compact, lists, packed
 from jsparse._src.wire.payload import (FORMAT_MODES, MAX_VERSION, Format, Kind, Mode,
                                        Payload, SegmentPayload, check_records)
 from jsparse._src.wire.reader import Reader
@@ -98,13 +99,13 @@ def encode_part(plan: Plan, header: PartHeader, units: Sequence[Unit],
                 records: Sequence[SegmentPayload], threads: int | None = None) -> bytes:
   """The bytes of one part: ``records[i]`` is unit ``units[i]``'s record in its index space
   (units coded on ``threads`` threads, default ``JSPARSE_THREADS``)."""
-  body_codec = _BODIES[header.format]
-
   def body_of(unit_record: tuple) -> bytes:
     unit, record = unit_record
     if record.mode != Mode.DENSE and not record.count:
       return b""
-    return body_codec.encode_body(unit_slots(plan, unit), [record])
+    if header.format == Format.PACKED:
+      return packed.encode_unit(record)
+    return _BODIES[header.format].encode_body(unit_slots(plan, unit), [record])
 
   bodies = parallel_map(body_of, zip(units, records), threads)  # zstd, NumPy release the GIL
   table = []
@@ -216,8 +217,9 @@ def _check_unit(plan: Plan, header: PartHeader, unit: Unit, mode: int, count: in
   return unit
 
 
-def read_unit(plan: Plan, index: PartIndex, data, i: int) -> SegmentPayload:
-  """Reads, checks and decodes unit ``i`` of a part whose index is ``index``: only its bytes.
+def read_unit(plan: Plan, index: PartIndex, data, i: int) -> SegmentPayload | packed.PackedRecord:
+  """Reads, checks and decodes unit ``i`` of a part whose index is ``index``: only its bytes
+  (a sparse unit of a packed part stays packed: a :class:`~packed.PackedRecord`).
 
   Raises:
     PayloadError: a body that fails its checksum or does not decode to the table's record.
@@ -231,9 +233,14 @@ def read_unit(plan: Plan, index: PartIndex, data, i: int) -> SegmentPayload:
   if zlib.crc32(body) != entry.crc:
     raise PayloadError(f"{slots.name}: body checksum mismatch, corrupted")
   reader = Reader(body)
-  (record,) = _BODIES[index.header.format].decode_body(slots, reader)
+  if index.header.format == Format.PACKED:
+    record = packed.decode_unit(slot, entry.mode, entry.count, reader, slots.name)
+  else:
+    (record,) = _BODIES[index.header.format].decode_body(slots, reader)
   if reader.remaining:
     raise PayloadError(f"{slots.name}: {reader.remaining} unexpected bytes after its record")
+  if isinstance(record, packed.PackedRecord):
+    return record  # its keys and codes are checked on the device (``sync/packed_units.py``)
   if record.mode != entry.mode or (record.count if record.mode != Mode.DENSE
                                    else len(record.values)) != entry.count:
     raise PayloadError(f"{slots.name}: body holds a {record.mode.name} record of other size "

@@ -41,6 +41,11 @@ class Format(enum.IntEnum):
   COMPACT = 2  # gap-coded ranks or positions and ulp codes, zstd'd: ~1 B/change on RL updates
   PACKED = 3   # the same keys and codes bit-packed on the device: ~1 B/change, no host coding
 
+  @property
+  def coded(self) -> bool:
+    """Whether sparse values are ulp codes (else new bit patterns)."""
+    return self != Format.LISTS
+
 
 class Kind(enum.IntEnum):
   """Whether a payload applies to one base version only, or to any."""
@@ -79,12 +84,12 @@ class Coding(str, enum.Enum):
     device work; for fast links.
   - ``PACKED``: format 3, the ranks and ulp codes of ``RANKED`` bit-packed in blocks of 32 by
     the device (``device_codes.py``): ~1 B/change, and no per-change work on either host (it
-    only moves the packed words): for accelerators and fast links. :meth:`Sender.send` and
-    :meth:`Receiver.receive` carry it; parts and streams of a packed sender carry ``RANKED``.
+    only moves the packed words): for accelerators and fast links. Payloads, parts and streams
+    carry it (:meth:`Sender.payload`'s decoded records are ``RANKED``'s).
   - ``PACKED_POSITIONED`` (``"packed-positioned"``): format 3 with the positions of
     ``POSITIONED``: no ranking on either side (the least device work of the small codings),
     but in position order gaps and codes pack less well than in class order (~1.7 B/change
-    on a trained model's 1% step); parts and streams carry ``POSITIONED``.
+    on a trained model's 1% step).
   - ``AUTO``: per send, the one of the above that syncs fastest over the Sender's
     ``link_gbit``, predicted from rates measured once per process (``sync/auto.py``); recorded
     in :attr:`SendStats.coding`. Parts and streams carry ``RANKED``.
@@ -112,11 +117,16 @@ class Coding(str, enum.Enum):
 
   @property
   def records(self) -> "Coding":
-    """The coding of this coding's per-record payloads (parts, streams, decoded payloads):
-    the packed codings and ``AUTO`` have none of their own and use format 2's with the same
-    keys."""
+    """The coding of this coding's decoded payloads (:meth:`Sender.payload`: records on the
+    host): the packed codings and ``AUTO`` use format 2's with the same keys."""
     return {Coding.PACKED: Coding.RANKED, Coding.PACKED_POSITIONED: Coding.POSITIONED,
             Coding.AUTO: Coding.RANKED}.get(self, self)
+
+  @property
+  def parts(self) -> "Coding":
+    """The coding of this coding's parts and streams: its own (packed on the device for the
+    packed codings), ``RANKED`` for ``AUTO``."""
+    return Coding.RANKED if self is Coding.AUTO else self
 
 
 @dataclasses.dataclass(frozen=True)

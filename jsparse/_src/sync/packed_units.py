@@ -1,0 +1,216 @@
+"""The packed coding in parts and streams: each unit of a part packed on the trainer's device,
+unpacked on the rollout's device; the hosts only move its words.
+
+A unit (``core/units.py``) is coded as a one-segment packed body in its own index space
+(``wire/packed.py``: :func:`~jsparse._src.wire.packed.encode_unit`): a whole segment by rank or
+position, as in a whole payload; the listed blocks of a leaf the trainer splits by their
+positions in the unit, which ascend through the unit (blocks in order, each block's changes in
+order), so they are one run of gaps. Sender (:func:`unit_records`): every sparse unit's
+program is dispatched before the first is copied, so the device packs unit ``k + 1`` while the
+host copies unit ``k``; a split unit's blocks, on several devices of this process, meet on the
+first of them. Receiver (:func:`stage_unit`): the unit's streams go to the device its segment
+is staged on, are unpacked and checked there (one flag per unit, read before anything is
+applied), and their positions mapped back to the segment's on the device.
+
+>>> import jax.numpy as jnp, jsparse
+>>> params = {'w': jnp.zeros(1000)}
+>>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+>>> sender = jsparse.Sender(plan, params, coding="packed")
+>>> receiver = jsparse.Receiver(plan, plan.cast(params))
+>>> part = sender.send_part({'w': params['w'].at[3].set(1.0)})
+>>> float(receiver.receive_parts([part])['w'][3]), receiver.last_read.units_read
+(1.0, 1)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsparse._src.core import bitpack
+from jsparse._src.core.chunks import sub_plan
+from jsparse._src.core.plan import Plan
+from jsparse._src.core.units import Unit, local_value, owned_slots, unit_slot
+from jsparse._src.sync.packed_stage import copy_size, host_prefix, pad_to, padded
+from jsparse._src.sync.programs import DeviceChanges
+from jsparse._src.sync.staging import StagedRecords
+from jsparse._src.wire import device_codes
+from jsparse._src.wire.packed import PackedRecord
+from jsparse._src.wire.payload import Mode, SegmentPayload
+
+
+@functools.lru_cache(maxsize=256)
+def unit_plan(plan: Plan, unit: Unit) -> Plan:
+  """The unit as a structural one-segment plan (what the device programs take): a whole
+  segment's sub-plan, or for blocks of a split leaf an unsplit segment of the unit's size and
+  capacity. Units of one structure share it, and so their compiled programs."""
+  if plan.segments[unit.segment].blocks == 1:
+    return sub_plan(plan, (unit.segment,))
+  return Plan(jax.tree.structure([]), (), (unit_slot(plan, unit),), plan.bucket_size)
+
+
+def _geometry(plan: Plan, unit: Unit) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+  """``(leaf shape, block shape, blocks per axis)`` of a split leaf's unit."""
+  leaf = plan.leaves[plan.segments[unit.segment].leaf_ids[0]]
+  return leaf.shape, tuple(leaf.layout.block_shape(leaf.shape)), tuple(leaf.layout.parts)
+
+
+def _single_device(x: jax.Array) -> jax.Array:
+  """A replicated array's value on one device of this process (no data crosses processes)."""
+  return x if len(x.devices()) == 1 else x.addressable_shards[0].data
+
+
+def _block_shards(x: jax.Array, per_block: int, blocks: Sequence[int], device=None) -> list:
+  """The slots of each listed block of a per-block diff output (``[blocks * per_block]``),
+  each on ``device`` (default: the first block's)."""
+  found = {}
+  for shard in x.addressable_shards:
+    found.setdefault((shard.index[0].start or 0) // per_block, shard.data)
+  shards = [found[b] for b in blocks]
+  return jax.device_put(shards, device or next(iter(shards[0].devices())))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _unit_changes(leaf_shape: tuple, block_shape: tuple, positions: list, new: list,
+                  old: list, counts: jax.Array) -> tuple:
+  """A split leaf's unit's changes, from its blocks' slots: ``(unit positions, new, old)``,
+  the first ``sum(counts)`` entries in ascending order (blocks in unit order)."""
+  positions, new, old = jnp.stack(positions), jnp.stack(new), jnp.stack(old)
+  rows, per_block = positions.shape
+  coords, rest = [], positions
+  for dim in reversed(leaf_shape):
+    coords.append(rest % dim)
+    rest = rest // dim
+  inner = jnp.zeros_like(positions)
+  for coord, size in zip(reversed(coords), block_shape):
+    inner = inner * size + coord % size
+  unit_positions = jnp.arange(rows, dtype=jnp.int32)[:, None] * math.prod(block_shape) + inner
+  slot = jnp.arange(per_block, dtype=jnp.int32)[None, :]
+  start = (jnp.cumsum(counts) - counts)[:, None]
+  at = jnp.where(slot < counts[:, None], start + slot, rows * per_block).reshape(-1)
+
+  def compact(x):
+    return jnp.zeros((rows * per_block,), x.dtype).at[at].set(x.reshape(-1), mode="drop")
+
+  return compact(unit_positions), compact(new), compact(old)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _segment_positions(leaf_shape: tuple, block_shape: tuple, parts: tuple,
+                       positions: jax.Array, blocks: jax.Array) -> jax.Array:
+  """Inverse of :func:`_unit_changes`' positions: unit positions (any, clamped into the unit)
+  as the leaf's flat positions; ``blocks``: the unit's blocks."""
+  size = math.prod(block_shape)
+  positions = jnp.clip(positions, 0, blocks.shape[0] * size - 1)
+  block, inner = blocks[positions // size], positions % size
+  block_coords, inner_coords = [], []
+  for part, dim in zip(reversed(parts), reversed(block_shape)):
+    block_coords.append(block % part)
+    block = block // part
+    inner_coords.append(inner % dim)
+    inner = inner // dim
+  flat = jnp.zeros_like(positions)
+  for b, i, dim, n in zip(reversed(block_coords), reversed(inner_coords), block_shape,
+                          leaf_shape):
+    flat = flat * n + b * dim + i
+  return flat
+
+
+class _Launched:
+  """A unit's pack program in flight: its outputs and how many keys and codes it packs."""
+
+  def __init__(self, mode: Mode, count: int, codes: int, outputs: tuple):
+    self.mode, self.count, self.codes, self.outputs = mode, count, codes, outputs
+
+  def record(self) -> PackedRecord:
+    """The unit's record: the used words of its streams, copied to the host."""
+    key_widths, key_words, key_used, code_widths, code_words, code_used = self.outputs
+    return PackedRecord(self.mode, self.count, (
+        host_prefix(key_widths, bitpack.num_blocks(self.count)),
+        host_prefix(key_words, int(key_used)),
+        host_prefix(code_widths, bitpack.num_blocks(self.codes)),
+        host_prefix(code_words, int(code_used))))
+
+
+def _launch(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
+            counts: np.ndarray, overflow: np.ndarray) -> _Launched | None:
+  """Dispatches ``unit``'s pack program (None: the unit goes dense, or has no change)."""
+  s, seg = unit.segment, plan.segments[unit.segment]
+  delta = changes.delta
+  by_rank = ranked and seg.ordered
+  if seg.blocks == 1:
+    count = int(counts[s])
+    if overflow[s] or not count:
+      return None
+    keys = changes.ranks[s] if by_rank else delta.indices[s]
+    inputs = [_single_device(x) for x in (keys, delta.values[s], changes.old_values[s])]
+    inputs = jax.device_put(inputs, next(iter(inputs[0].devices())))
+  else:
+    per_block = seg.capacity // seg.blocks
+    block_counts = owned_slots(changes.block_counts[s], 1, unit.blocks)
+    count = int(block_counts.sum())
+    if np.any(block_counts > per_block) or not count:
+      return None
+    positions = _block_shards(delta.indices[s], per_block, unit.blocks)
+    device = next(iter(positions[0].devices()))
+    columns = [positions] + [_block_shards(x, per_block, unit.blocks, device)
+                             for x in (delta.values[s], changes.old_values[s])]
+    leaf_shape, block_shape, _ = _geometry(plan, unit)
+    inputs = _unit_changes(leaf_shape, block_shape, *columns,
+                           jax.device_put(block_counts.astype(np.int32), device))
+  mode = Mode.BY_RANK if by_rank else Mode.BY_POSITION
+  codes = count * device_codes.values_per_change(seg)
+  outputs = device_codes.pack_program(unit_plan(plan, unit), by_rank, *((x,) for x in inputs),
+                                      np.array([count], np.int32), (None,))
+  return _Launched(mode, count, codes, outputs)
+
+
+def unit_records(plan: Plan, ranked: bool, units: Sequence[Unit], changes: DeviceChanges,
+                 dense: Callable[[Unit], SegmentPayload]) -> list:
+  """The packed records of ``units`` (owned by this process) of a delta's ``changes``: a
+  :class:`PackedRecord` per sparse unit, ``dense(unit)`` for a unit that overflowed, an empty
+  record for a unit without changes. ``ranked``: ordered segments by rank."""
+  counts = local_value(changes.delta.counts).astype(np.int64)
+  overflow = local_value(changes.delta.overflow)
+  launched = [_launch(plan, unit, changes, ranked, counts, overflow) for unit in units]
+  records = []
+  for unit, out in zip(units, launched):
+    seg = plan.segments[unit.segment]
+    if out is not None:
+      records.append(out.record())
+    elif (overflow[unit.segment] if seg.blocks == 1
+          else np.any(owned_slots(changes.block_counts[unit.segment], 1, unit.blocks)
+                      > seg.capacity // seg.blocks)):
+      records.append(dense(unit))
+    else:
+      records.append(PackedRecord(Mode.EMPTY, 0, None))
+  return records
+
+
+def stage_unit(plan: Plan, unit: Unit, record: PackedRecord, staged: StagedRecords
+               ) -> jax.Array:
+  """Unpacks a sparse unit's record on the device ``staged`` holds its segment on and stages
+  its changes there; returns the device's flag that every key and code is well formed (read it
+  before applying anything)."""
+  uplan = unit_plan(plan, unit)
+  slots = uplan.segments[0].capacity
+  n_codes = slots * device_codes.values_per_change(uplan.segments[0])
+  sizes = (bitpack.num_blocks(slots), bitpack.max_words(slots), bitpack.num_blocks(n_codes),
+           bitpack.max_words(n_codes))
+  host = [padded(values, min(copy_size(len(values)), size), values.dtype)
+          for values, size in zip(record.streams, sizes)]
+  device = staged.device(unit.segment)
+  arrays = [pad_to(x, size) for x, size in zip(jax.device_put(host, device), sizes)]
+  with jax.default_device(device):
+    (keys,), (values,), ok = device_codes.unpack_program(
+        uplan, (slots,), *arrays, np.array([record.count], np.int32), (None,))
+    if plan.segments[unit.segment].blocks > 1:
+      keys = _segment_positions(*_geometry(plan, unit), keys,
+                                np.asarray(unit.blocks, np.int32))
+  staged.add_device(unit.segment, keys, values, record.count)
+  return ok
