@@ -1,5 +1,5 @@
-"""A differential fuzz of the whole stack: random trees, dtypes, shardings, codings, densities
-and payload mutations. Invariant: a receive is exact or raises a jsparse error; a refused
+"""A differential fuzz of the whole stack: random trees, dtypes, shardings, codings, densities,
+whole payloads or parts, and mutations. Invariant: a receive is exact or raises a jsparse error; a refused
 payload changes nothing (non-donating receiver); the next good payload is accepted.
 
 The suite runs 8 cases (each compiles its own programs: ~15 s on 2 CPU cores);
@@ -78,16 +78,22 @@ def test_the_whole_stack_is_exact_or_refuses_cleanly(seed, trainer_mesh, rollout
     density = float(rng.choice([0.0, 0.01, 0.1, 0.7]))
     tree = {k: strategies.with_specials(rng, strategies.perturb(rng, v, density))
             for k, v in tree.items()}
-    data = sender.send(on_trainer(tree))
+    as_part = rng.random() < 0.4  # a whole payload, or the one part of a one-process job
+    if as_part:
+      data = sender.send_part(on_trainer(tree))
+      receive = lambda receiver, d: receiver.receive_parts([d])
+    else:
+      data = sender.send(on_trainer(tree))
+      receive = lambda receiver, d: receiver.receive(d)
     before, version = _host(careful.params), careful.version
     try:
-      careful.receive(_mutate(rng, data))  # accepted only if the mutation changed nothing
+      receive(careful, _mutate(rng, data))  # accepted only if the mutation changed nothing
       event("mutated payload accepted, exact")
     except jsparse.JsparseError as e:
-      event(f"mutated payload refused: {type(e).__name__}")
+      event(f"mutated {'part' if as_part else 'payload'} refused: {type(e).__name__}")
       assert careful.version == version and trees_bitwise_equal(careful.params, before)
-      careful.receive(data)  # the good one is accepted
-    fast.receive(data)  # the donating receiver gets the good payloads only
+      receive(careful, data)  # the good one is accepted
+    receive(fast, data)  # the donating receiver gets the good payloads only
     for receiver in (careful, fast):
       assert receiver.version == sender.version
       assert trees_bitwise_equal(receiver.params, sender.snapshot)

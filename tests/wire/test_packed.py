@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 import jsparse
 from jsparse._src.core import bitpack
 from jsparse._src.core.chunks import chunks_of
-from jsparse._src.sync import auto
+from jsparse._src.sync import auto, packed_units
 from jsparse._src.wire import device_codes, framing
 from jsparse.benchmarks.scale import layered_tree, rl_like_update
 from jsparse.testing import assert_trees_bitwise_equal, special_values
@@ -180,6 +180,13 @@ def test_packed_programs_are_tpu_friendly():
       chunk.plan, slots, jnp.zeros(bitpack.num_blocks(n_keys), jnp.uint8),
       jnp.zeros(n_keys + 33, jnp.uint32), jnp.zeros(bitpack.num_blocks(n_codes), jnp.uint8),
       jnp.zeros(n_codes + 33, jnp.uint32), counts, blocks).as_text())
+  # A part's unit of a split leaf: to and from positions in the unit.
+  slots = [jnp.zeros((16,), jnp.int32)] * 3
+  texts.append(packed_units._unit_changes.lower((64, 48), (8, 48), slots, slots, slots,
+                                                jnp.zeros(3, jnp.int32)).as_text())
+  texts.append(packed_units._segment_positions.lower(
+      (64, 48), (8, 48), (8, 1), jnp.zeros(48, jnp.int32), jnp.arange(3, dtype=jnp.int32)
+  ).as_text())
   for text in texts:
     # Attributes (window sizes, paddings) are 64-bit whatever the program: only values count.
     values = re.sub(r"dense<[^>]*>\s*:\s*tensor<[^>]*>|array<i64[^>]*>", "", text)
@@ -265,3 +272,54 @@ def test_runs_of_a_split_leaf_must_stay_in_their_blocks():
       assert receiver.version == 0
       assert_trees_bitwise_equal(jax.device_get(receiver.params),
                                  jax.device_get(plan.cast(on_mesh(base))))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_forged_packed_parts_are_refused_before_anything_is_applied(split):
+  """A packed part's unit whose keys leave the unit, repeat, or whose codes are too wide, behind
+  valid checksums, is refused on the device, also by a donating receiver; a truncated stream
+  on the host. Both for a split leaf's blocks (positions in the unit) and a whole segment."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jsparse._src.wire import packed, parts as parts_wire
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  base = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
+  spec = P("fsdp") if split else P()
+  on_mesh = lambda x: {"w": jax.device_put(x, NamedSharding(mesh, spec))}
+  plan = jsparse.make_plan(on_mesh(base), rollout_dtype=jnp.bfloat16, capacity=0.25)
+  new = base.copy()
+  for row, col in ((0, 5), (0, 7), (9, 3), (20, 0), (63, 47)):
+    new[row, col] += 1
+  sender = jsparse.Sender(plan, on_mesh(base), coding="packed-positioned")
+  part = sender.send_part(on_mesh(new))
+  index = parts_wire.read_index(plan, part)
+  record = parts_wire.read_unit(plan, index, part, 0)
+  assert isinstance(record, packed.PackedRecord) and record.count == 5
+  key_widths, key_words, code_widths, code_words = record.streams
+  gaps = np.asarray(bitpack.unpack(jnp.asarray(key_widths), jnp.asarray(key_words), 5, 5))
+  codes = np.asarray(bitpack.unpack(jnp.asarray(code_widths), jnp.asarray(code_words), 5, 5))
+  assert gaps.sum() + 4 == 64 * 48 - 1  # the last key is the unit's last position
+
+  def forged(g=gaps, c=codes, cut=0):
+    streams = []
+    for values in (g, c):
+      widths, words, used = bitpack.pack(jnp.asarray(values.astype(np.uint32)), 5)
+      streams += [np.asarray(widths), np.asarray(words)[:int(used) - cut]]
+    return parts_wire.encode_part(plan, index.header, [index.entries[0].unit],
+                                  [packed.PackedRecord(record.mode, 5, tuple(streams))])
+
+  assert forged() == part
+  with_gap = lambda i, v: np.concatenate([gaps[:i], [v], gaps[i + 1:]])
+  cases = [(forged(with_gap(4, gaps[4] + 1)), "out of"),  # the last key one past the unit
+           (forged(with_gap(1, 2**32 - 1)), "out of"),  # the second key repeats the first
+           (forged(c=np.full(5, 0xFFFF)), "wider"),  # no bf16 code of 16 bits + 1
+           (forged(cut=1), "truncated|blocks for")]  # a word short: the rest shifts
+  for data, match in cases:
+    for donate in (False, True):
+      receiver = jsparse.Receiver(plan, plan.cast(on_mesh(base)), donate=donate)
+      with pytest.raises(jsparse.PayloadError, match=match):
+        receiver.receive_parts([data])
+      assert receiver.version == 0
+      assert_trees_bitwise_equal(jax.device_get(receiver.params),
+                                 jax.device_get(plan.cast(on_mesh(base))))
+  receiver = jsparse.Receiver(plan, plan.cast(on_mesh(base)))
+  assert_trees_bitwise_equal(receiver.receive_parts([part]), plan.cast(on_mesh(new)))
