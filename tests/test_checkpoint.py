@@ -43,14 +43,17 @@ def _sharded(tree, mesh_shape, names, specs):
   return {k: NamedSharding(mesh, specs.get(k, P())) for k in tree}
 
 
-def test_chain_restores_every_step_exactly_with_rebasing_onto_another_mesh(tmp_path):
+@pytest.mark.parametrize("coding, delta", [("positioned", "delta"), ("packed", "parts"),
+                                           ("packed-positioned", "parts")])
+def test_chain_restores_every_step_exactly_with_rebasing_onto_another_mesh(tmp_path, coding,
+                                                                           delta):
   trees = _steps(0, 9)
   trainer = _sharded(trees[0], (8,), ("fsdp",), {"w": P("fsdp", None), "emb": P("fsdp", None)})
   trees = [{k: jax.device_put(v, trainer[k]) for k, v in t.items()} for t in trees]
   plan = _plan(trees[0])
-  with jsparse.DeltaCheckpointManager(tmp_path, plan, rebase_every=3) as chain:
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, rebase_every=3, coding=coding) as chain:
     kinds = [chain.save(step, t).kind for step, t in enumerate(trees)]
-    assert kinds == ["base", "delta", "delta", "delta"] * 2 + ["base"]
+    assert kinds == ["base", delta, delta, delta] * 2 + ["base"]
     assert chain.chain(6) == [4, 5, 6]
     rollout = _sharded(trees[0], (2, 4), ("data", "tensor"),
                        {"w": P(None, "tensor"), "emb": P("tensor", None)})
@@ -89,14 +92,15 @@ def test_retention_never_deletes_what_a_kept_step_needs(tmp_path):
       assert_trees_bitwise_equal(chain.restore(step), plan.cast(trees[step]))
 
 
-def test_reopened_manager_continues_the_chain(tmp_path):
+@pytest.mark.parametrize("coding, delta", [("positioned", "delta"), ("packed", "parts")])
+def test_reopened_manager_continues_the_chain(tmp_path, coding, delta):
   trees = _steps(3, 6)
   plan = _plan(trees[0])
-  with jsparse.DeltaCheckpointManager(tmp_path, plan) as chain:
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, coding=coding) as chain:
     for step in range(3):
       chain.save(step, trees[step])
-  with jsparse.DeltaCheckpointManager(tmp_path, plan) as chain:
-    assert chain.save(3, trees[3]).kind == "delta"
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, coding=coding) as chain:
+    assert chain.save(3, trees[3]).kind == delta
     with pytest.raises(jsparse.CheckpointError, match="newer"):
       chain.save(3, trees[3])
     chain.save(5, trees[5])
@@ -254,7 +258,8 @@ def test_restored_sync_state_is_checked():
 
 
 @pytest.mark.parametrize("options", [{"rebase_every": True}, {"rebase_every": -1},
-                                     {"max_to_keep": 0}, {"max_to_keep": 1.5}])
+                                     {"max_to_keep": 0}, {"max_to_keep": 1.5},
+                                     {"coding": "lists"}, {"coding": "bogus"}])
 def test_bad_manager_options_are_config_errors_and_create_nothing(tmp_path, options):
   plan = _plan(_steps(9, 1)[0])
   with pytest.raises(jsparse.ConfigError):

@@ -10,7 +10,8 @@ applies to, the chain's base, the plan fingerprint and the 64-bit digest of the 
 after the step. In a multi-controller job (params spanning processes) every process calls
 ``save`` and ``restore``; a delta step then holds each process's payload part
 (:meth:`~jsparse.Sender.send_part`) as one row of a byte array (kind ``"parts"``), and any
-process count restores it. Restoring step ``s`` restores its base onto the shardings asked for, then applies
+process count restores it. A chain with a packed ``coding`` stores its deltas as parts too,
+bit-packed on the devices. Restoring step ``s`` restores its base onto the shardings asked for, then applies
 the deltas in order, checking every digest, so a restore is bit-exact or an error that names the
 step at fault.
 
@@ -40,14 +41,18 @@ from jax.experimental import multihost_utils
 
 from jsparse._src import chain_meta
 from jsparse._src.core.plan import Plan
-from jsparse._src.errors import CheckpointError, JsparseError
+from jsparse._src.errors import CheckpointError, ConfigError, JsparseError
 from jsparse._src.options import int_option
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync.receiver import Receiver
-from jsparse._src.sync.sender import Sender
+from jsparse._src.sync.sender import Sender, coding_option
 from jsparse._src.sync.state import from_storable, storable, storable_shapes
 from jsparse._src.wire.payload import (Coding, Format, Kind, Mode, Payload, SegmentPayload,
                                        check_records)
+
+
+# Delta steps as Orbax arrays of a positioned payload, or as packed parts.
+_CHECKPOINT_CODINGS = (Coding.POSITIONED, Coding.PACKED, Coding.PACKED_POSITIONED)
 
 
 class SaveInfo(NamedTuple):
@@ -56,7 +61,8 @@ class SaveInfo(NamedTuple):
   Attributes:
     step: the saved step.
     kind: ``"base"`` (the full tree), ``"delta"`` (the changes since the step before) or
-      ``"parts"`` (the same, saved by a multi-process job: one payload part per process).
+      ``"parts"`` (the same as payload parts: one per process of a multi-process job, or a
+      chain with a packed coding).
     changed: elements that changed since the step before (a base: every element).
     bytes: the step's bytes on disk.
 
@@ -155,12 +161,16 @@ class DeltaCheckpointManager:
     rebase_every: a delta chain holds at most this many deltas, then the next save is a base.
     max_to_keep: keep the newest ``max_to_keep`` steps restorable (None: all); a base or a delta
       that a kept step needs is never deleted.
+    coding: how delta steps are coded: ``"positioned"`` (the default: plain arrays that Orbax
+      compresses), or ``"packed"`` / ``"packed-positioned"`` (bit-packed on the device, stored
+      as payload parts: no per-change work on the host, ~1 B per change); see
+      :class:`~jsparse.Coding`.
 
   Saves are synchronous: ``save`` returns once the step is committed. A manager reopened on an
   existing directory continues the newest chain (it restores the newest step to diff against).
 
   Raises:
-    ConfigError: a bad ``rebase_every`` or ``max_to_keep``.
+    ConfigError: a bad ``rebase_every``, ``max_to_keep`` or ``coding``.
 
   >>> import tempfile, jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, rollout_dtype=jnp.bfloat16)
@@ -172,7 +182,11 @@ class DeltaCheckpointManager:
   """
 
   def __init__(self, directory: str | os.PathLike, plan: Plan, *, rebase_every: int = 10,
-               max_to_keep: int | None = None):
+               max_to_keep: int | None = None, coding: Coding | str = Coding.POSITIONED):
+    self.coding = coding_option(coding)
+    if self.coding not in _CHECKPOINT_CODINGS:
+      raise ConfigError(f"a checkpoint chain's coding is one of "
+                        f"{[c.value for c in _CHECKPOINT_CODINGS]}, got {self.coding.value!r}")
     self.rebase_every = int_option("rebase_every", rebase_every, minimum=0)
     self.max_to_keep = int_option("max_to_keep", max_to_keep, minimum=1, optional=True)
     self.directory = Path(directory)
@@ -261,12 +275,12 @@ class DeltaCheckpointManager:
     self._sender = None  # until this step is committed
     chain_length = len(self.chain(sender.version)) if sender is not None else 0
     if force_base or sender is None or chain_length > self.rebase_every:
-      sender = Sender(self.plan, params, version=step, coding=Coding.POSITIONED)
+      sender = Sender(self.plan, params, version=step, coding=self.coding)
       meta = chain_meta.base_meta(self.plan, step=step, digest=sender.digest)
       items = {"params": ocp.args.StandardSave(storable(self.plan, sender.snapshot))}
       if not self.plan.leaves:
         items = {}  # Orbax refuses an empty item; the meta says it all
-    elif spans_processes(params):
+    elif spans_processes(params) or self.coding.format == Format.PACKED:
       parent, parent_digest = sender.version, sender.digest
       part = sender.send_part(params, version=step)
       rows, lengths = _rows_of_parts(part)
@@ -358,7 +372,7 @@ class DeltaCheckpointManager:
       logging.warning("jsparse: cannot continue the chain of step %d (%s); starting a base",
                       latest, e)
       return None
-    return Sender(self.plan, restored, version=latest, coding=Coding.POSITIONED)
+    return Sender(self.plan, restored, version=latest, coding=self.coding)
 
   def _apply_retention(self) -> None:
     if self.max_to_keep is None:

@@ -165,14 +165,14 @@ def trainer(args: argparse.Namespace) -> dict:
 
   # --- jsparse: the same calls in every trainer process ---
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
-  sender = jsparse.Sender(plan, params)
+  sender = jsparse.Sender(plan, params, coding=args.coding)
   out = Path(args.dir)
   publisher = engine.Publisher(sender, engine.DirectoryFeed(out / FEED), anchor_every=None,
                                keep=1000,  # keep every version: the tests replay them
                                chunk_bytes=args.chunk_bytes)  # streamed in parts of this size
   batches = rl_model.markov_batches(cfg, seed=1)  # the same batches in every process
   chain = jsparse.DeltaCheckpointManager(out / "chain", plan) if args.chain else None
-  report = {"process": jax.process_index(), "versions": []}
+  report = {"process": jax.process_index(), "versions": [], "coding": sender.coding.value}
   try:  # a whole payload would need every process's shards: refused, nothing changes
     sender.send(params)
   except jsparse.ConfigError as e:
@@ -416,6 +416,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--trainer-devices", type=int, default=8)
   parser.add_argument("--chunk-bytes", type=int, default=128 << 10,
                       help="trainer: rollout bytes per streamed part (several per process)")
+  parser.add_argument("--coding", default="ranked", help="trainer: the Sender's coding")
   parser.add_argument("--tensor", type=int, default=4, help="rollout tensor-parallel size")
   parser.add_argument("--name", default="rollout")
   parser.add_argument("--faults", action="store_true", help="refuse bad parts at version 3")

@@ -1,7 +1,8 @@
 """Multi-controller jobs (``jax.distributed``, gloo collectives on 127.0.0.1): a trainer of 2
 processes x 4 devices (and one of 4 x 2) sends parts; rollouts of 1 process (2x4 mesh) and of 2
 processes (tensor 4 x data 2) apply them bit-exactly, refuse missing and corrupt parts, and
-restart from Orbax state saved by another process count. The jobs run once for the module
+restart from Orbax state saved by another process count; a 4-process trainer sends packed
+parts (coded on its devices) to a 2-process rollout. The jobs run once for the module
 (``jsparse.examples.multihost``, each with a timeout); the tests read their reports. Each
 rollout process checks every shard it holds against the trainer's bits, and fails its job
 otherwise."""
@@ -31,7 +32,8 @@ def jobs(tmp_path_factory):
                                    "--restore-from", "rollout_state_two", "--chain"], timeout=TIMEOUT)
   four = tmp_path_factory.mktemp("trainer_4x2")
   reports["trainer4"] = multihost.launch(
-      "trainer", 4, 2, str(four), ["--restore-sender", str(fsdp / "sender_state")],
+      "trainer", 4, 2, str(four), ["--restore-sender", str(fsdp / "sender_state"),
+                                   "--coding", "packed"],  # its parts packed on the devices
       timeout=TIMEOUT)
   reports["after4"] = multihost.launch("rollout", 2, 4, str(four), ["--name", "after4"],
                                        timeout=TIMEOUT)
@@ -70,7 +72,9 @@ def test_parts_carry_a_realistic_update_compactly(jobs):
 
 @pytest.mark.parametrize("rollout", ["one", "two", "restored", "after4"])
 def test_rollouts_end_bit_identical_to_their_trainer(jobs, rollout):
+  """After the trainer's format-2 parts, and (``after4``) a 4-process trainer's packed ones."""
   trainer = jobs["trainer4" if rollout == "after4" else "trainer"]
+  assert {r["coding"] for r in trainer} == {"packed" if rollout == "after4" else "ranked"}
   for r in jobs[rollout]:
     assert r["version"] == 6
     assert r["digest"] == trainer[0]["digest"]
