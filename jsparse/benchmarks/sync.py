@@ -434,7 +434,39 @@ def run(plan: jsparse.Plan, states: list, repeats: int = 5,
   for name in METHODS[4:]:
     if name in rows:
       print_device_ratios(name, rows[name], core)
-  return {"steps": steps, "step": step, "methods": rows, "core": core}
+  auto = auto_against_fixed(plan, states[step - 1], states[step], rows, repeats)
+  print_auto(auto)
+  return {"steps": steps, "step": step, "methods": rows, "core": core, "auto": auto}
+
+
+def auto_against_fixed(plan: jsparse.Plan, before: Any, after: Any, rows: dict,
+                       repeats: int = 5) -> dict:
+  """Per link bandwidth of :data:`LINKS_GBIT`: a ``coding="auto"`` Sender's choice for this
+  update and its end-to-end seconds (encode + bytes / bandwidth + apply, timed as the rows
+  are), against the fastest of the fixed jsparse codings among ``rows`` at that bandwidth."""
+  snapshot = plan.cast(before)
+  fresh_receiver = lambda: (jsparse.Receiver(plan, _copy(snapshot)),)
+  out = {}
+  for gbit in LINKS_GBIT:
+    fresh_sender = lambda: (jsparse.Sender(plan, before, coding="auto", link_gbit=gbit),)
+    sender = fresh_sender()[0]
+    data = sender.send(after)
+    seconds = (_best(lambda s: s.send(after), fresh_sender, repeats) + len(data) * 8 / (gbit * 1e9)
+               + _best(lambda r: r.receive(data), fresh_receiver, repeats))
+    fixed = {name: r["encode"] + r["bytes"] * 8 / (gbit * 1e9) + r["apply"]
+             for name, r in rows.items() if name.startswith("jsparse")}
+    best = min(fixed, key=fixed.get)
+    out[gbit] = {"chosen": sender.last_stats.coding, "bytes": len(data), "e2e": seconds,
+                 "best_fixed": best, "best_fixed_e2e": fixed[best]}
+  return out
+
+
+def print_auto(rows: dict) -> None:
+  print("\ncoding=\"auto\" against the fastest fixed coding of this run (end-to-end ms):")
+  for gbit, r in rows.items():
+    print(f"  {gbit:>5g} Gbit/s: auto chose {r['chosen']:<18}{1e3 * r['e2e']:>9.1f}  |  "
+          f"fastest fixed: {r['best_fixed']:<30}{1e3 * r['best_fixed_e2e']:>9.1f}  "
+          f"({r['e2e'] / r['best_fixed_e2e']:.2f}x)")
 
 
 def print_device_ratios(name: str, compact: dict, core: dict) -> None:

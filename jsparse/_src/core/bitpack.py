@@ -67,14 +67,15 @@ def _layout(widths: jax.Array, count, page_blocks: int) -> tuple[jax.Array, jax.
   fill."""
   widths = widths.astype(jnp.int32)
   num = widths.shape[0]
-  pages = -(-num // page_blocks)
-  paged = jnp.zeros((pages * page_blocks,), jnp.int32).at[:num].set(widths)
-  paged = paged.reshape(pages, page_blocks)
+  pages = max(1, -(-num // page_blocks))
+  per_page = page_blocks if pages > 1 else max(1, num)  # one page: no padding to its size
+  paged = jnp.zeros((pages * per_page,), jnp.int32).at[:num].set(widths)
+  paged = paged.reshape(pages, per_page)
   block_bits = paged * BLOCK
   start = (jnp.cumsum(block_bits, axis=1) - block_bits).reshape(-1)[:num]
   used_bits = (paged.reshape(-1)[:num] * _block_values(num, count, jnp)).astype(jnp.int32)
-  page_bits = jnp.zeros((pages * page_blocks,), jnp.int32).at[:num].set(used_bits)
-  page_words = (jnp.sum(page_bits.reshape(pages, page_blocks), axis=1) + 31) // 32
+  page_bits = jnp.zeros((pages * per_page,), jnp.int32).at[:num].set(used_bits)
+  page_words = (jnp.sum(page_bits.reshape(pages, per_page), axis=1) + 31) // 32
   page_start = jnp.cumsum(page_words) - page_words
   offsets = start[:, None] + jnp.arange(BLOCK, dtype=jnp.int32)[None, :] * widths[:, None]
   page_of = jnp.arange(num, dtype=jnp.int32) // page_blocks
