@@ -211,29 +211,33 @@ def test_packed_bytes_stay_near_the_compact_format_on_an_rl_like_update():
   assert sizes["packed-positioned"] <= 1.6 * sizes["positioned"], sizes
 
 
-def test_auto_picks_the_fewest_bytes_on_slow_links_and_stays_exact():
+def test_auto_measures_every_coding_on_its_tree_and_picks_the_fastest_over_the_link():
   tree = layered_tree(8, 128)
   plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, capacity=0.05)
   slow = jsparse.Sender(plan, tree, coding="auto", link_gbit=0.001)
   receiver = jsparse.Receiver(plan, plan.cast(tree))
   new = rl_like_update(tree, seed=3)
-  receiver.receive(slow.send(new))
-  assert slow.last_stats.coding in ("ranked", "packed")  # ~1 B/change, the others more
-  rates = auto.measured_rates()
+  assert auto.measured(plan) is None
+  receiver.receive(slow.send(new))  # the first delta: every coding measured on this tree
+  rates = auto.measured(plan)
   assert set(rates) == {jsparse.Coding(c) for c in ("packed", "packed-positioned", "ranked",
                                                     "positioned", "lists")}
+  assert all(r.seconds > 0 for r in rates.values())
   assert rates[jsparse.Coding.LISTS].bytes_per_change > 3 * rates[
       jsparse.Coding.RANKED].bytes_per_change
+  changed = slow.last_stats.changed
+  assert slow.last_stats.coding == min(
+      rates, key=lambda c: rates[c].bytes_per_change).value  # a slow link: the fewest bytes
   fast = jsparse.Sender(plan, tree, coding="auto", link_gbit=1e6)
   fast_receiver = jsparse.Receiver(plan, plan.cast(tree))
   fast_receiver.receive(fast.send(new))
-  expected = min(rates, key=lambda c: rates[c].seconds(plan.num_elements, fast.last_stats.changed,
-                                                       1e6))
-  assert fast.last_stats.coding == expected.value
+  assert auto.measured(plan) is rates  # measured once per plan
+  assert fast.last_stats.coding == min(rates, key=lambda c: rates[c].predict(changed, 1e6)).value
   newer = rl_like_update(new, seed=4)
   for sender, rx in ((slow, receiver), (fast, fast_receiver)):
     rx.receive(sender.send(newer))
     assert_trees_bitwise_equal(rx.params, plan.cast(newer))
+    assert_trees_bitwise_equal(sender.snapshot, plan.cast(newer))
 
 
 def test_runs_of_a_split_leaf_must_stay_in_their_blocks():

@@ -1,118 +1,111 @@
-"""``coding="auto"``: the coding that syncs fastest over a given link, from rates measured here.
+"""``coding="auto"``: the coding that syncs fastest over a given link, from times measured on
+the sender's own tree.
 
-A sync's time is its coding's work on both sides plus its bytes over the link. The work of each
-coding is measured once per process (:func:`measured_rates`: a sender and a receiver on a
-sample leaf of :data:`SAMPLE_ELEMENTS` fp32 weights, synced at two RL-like densities, ~1% and
-~4%, each the best of a few runs), as seconds per element, seconds per change and bytes per
-change. :func:`choose` then predicts, for a tree of ``n`` elements with ``k`` changes::
+A sync's time is its coding's work on both sides plus its bytes over the link. The work of a
+coding depends on the tree (its leaves' sizes, how the plan chunks them) and on the machine as
+much as on the changes, so it is measured where it will run: at the first delta of a
+``coding="auto"`` sender, every candidate coding syncs that delta once to a throwaway receiver
+(:func:`calibrate`: one run to compile, the best of a few timed), giving its seconds and its
+bytes per change. Each send then predicts, for ``k`` changes::
 
-  seconds(coding) = n * per_element + k * per_change + k * bytes_per_change * 8 / bandwidth
+  seconds(coding) = measured seconds + k * bytes_per_change * 8 / bandwidth
 
-and takes the least. The receiver is assumed to run on hardware like the sender's (its stages
-are timed here). Slow links favour the fewest bytes (``ranked``); fast links on an accelerator
-favour the least work (``packed`` or ``lists``).
+and takes the least. Measured once per plan and process; the receiver is assumed to run on
+hardware like the sender's (its stages are timed here). Slow links favour the fewest bytes
+(``ranked``), fast links the least work. The calibration holds two more copies of the rollout
+weights while it runs, one coding at a time.
 
->>> rates = {Coding.RANKED: CodingRate(1e-9, 1e-7, 1.0), Coding.LISTS: CodingRate(1e-9, 2e-8, 4.0)}
->>> choose(rates, 10**8, 10**6, link_gbit=0.1).value, choose(rates, 10**8, 10**6, 100.0).value
+>>> rates = {Coding.RANKED: CodingRate(0.050, 1.0), Coding.LISTS: CodingRate(0.030, 4.0)}
+>>> choose(rates, 10**6, link_gbit=0.1).value, choose(rates, 10**6, link_gbit=100.0).value
 ('ranked', 'lists')
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import logging
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jsparse._src.wire.payload import Coding
 
 CANDIDATES = (Coding.PACKED, Coding.PACKED_POSITIONED, Coding.RANKED, Coding.POSITIONED,
               Coding.LISTS)
-SAMPLE_ELEMENTS = 1 << 20
 DEFAULT_LINK_GBIT = 10.0
-_STEPS = (1.5e-6, 6e-6)  # update sizes of the two samples: ~1% and ~4% of bf16 elements change
-_REPEATS = 3
+_REPEATS = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class CodingRate:
-  """What a coding costs on this machine.
+  """What a coding cost on the sender's tree, measured on its first delta.
 
   Attributes:
-    seconds_per_element: the sync's work per element of the tree (both sides).
-    seconds_per_change: its work per changed element (both sides).
+    seconds: the work of one sync, sender and receiver (without the link).
     bytes_per_change: payload bytes per changed element.
   """
 
-  seconds_per_element: float
-  seconds_per_change: float
+  seconds: float
   bytes_per_change: float
 
-  def seconds(self, elements: int, changes: int, link_gbit: float) -> float:
-    """Predicted seconds of a sync of ``changes`` among ``elements`` over the link."""
-    return (elements * self.seconds_per_element + changes * self.seconds_per_change
-            + changes * self.bytes_per_change * 8 / (link_gbit * 1e9))
+  def predict(self, changes: int, link_gbit: float) -> float:
+    """Predicted seconds of a sync of ``changes`` over the link."""
+    return self.seconds + changes * self.bytes_per_change * 8 / (link_gbit * 1e9)
 
 
-def choose(rates: dict, elements: int, changes: int, link_gbit: float) -> Coding:
+def choose(rates: dict, changes: int, link_gbit: float) -> Coding:
   """The coding of ``rates`` with the least predicted seconds (ties: the earlier)."""
-  return min(rates, key=lambda c: rates[c].seconds(elements, changes, link_gbit))
+  return min(rates, key=lambda c: rates[c].predict(changes, link_gbit))
 
 
-def _sample(seed: int) -> dict:
-  rng = np.random.default_rng(seed)
-  return {"w": (0.02 * rng.standard_normal(SAMPLE_ELEMENTS)).astype(np.float32)}
-
-
-def _stepped(params: dict, step: float, seed: int) -> dict:
-  sign = np.where(np.random.default_rng(seed).random(SAMPLE_ELEMENTS) < 0.5, -1.0, 1.0)
-  return {"w": (params["w"] - step * sign).astype(np.float32)}
-
-
-def _timed_sync(coding: Coding, plan, base: dict, new: dict) -> tuple[float, int, int]:
-  """Best seconds of a send and a receive of ``base`` to ``new``, the payload bytes, and the
+def _timed_sync(coding: Coding, plan, old: Any, new: Any) -> tuple[float, int, int]:
+  """Best seconds of a send and a receive of ``old`` to ``new``, the payload bytes and the
   changes."""
   from jsparse._src.sync.receiver import Receiver
   from jsparse._src.sync.sender import Sender
-  best, size = float("inf"), 0
+  best, size, changes = float("inf"), 0, 0
   for _ in range(_REPEATS + 1):  # the first compiles
-    sender, receiver = Sender(plan, base, coding=coding), Receiver(plan, plan.cast(base))
+    # Copies: a throwaway sender's diff and receiver's apply donate what they hold.
+    sender = Sender(plan, jax.tree.map(jnp.copy, old), coding=coding)
+    receiver = Receiver(plan, jax.tree.map(jnp.copy, old))
+    jax.block_until_ready((sender.snapshot, receiver.params))
     start = time.perf_counter()
     data = sender.send(new)
     jax.block_until_ready(receiver.receive(data))
     best, size = min(best, time.perf_counter() - start), len(data)
-  return best, size, sender.last_stats.changed
+    changes = sender.last_stats.changed
+    del sender, receiver
+  return best, size, changes
 
 
-_CALIBRATION = threading.Lock()
+_LOCK = threading.Lock()
+_RATES: dict[Any, dict] = {}  # by plan: each candidate's rate
 
 
-def measured_rates(backend: str | None = None) -> dict:
-  """Each candidate coding's :class:`CodingRate` on ``backend`` (default: JAX's default),
-  measured once per process (one thread at a time; most of it compiling: 15 s on an idle
-  2-core CPU, more when it is busy). A sender with ``coding="auto"`` measures at its first
-  delta; call this at start-up to measure earlier."""
-  with _CALIBRATION:
-    return _measured_rates(backend)
+def calibrate(plan, old: Any, new: Any) -> dict:
+  """Each candidate coding's :class:`CodingRate` for ``plan``, syncing ``old`` (the rollout's
+  tree) to ``new`` (params): measured at the first call for a plan in this process (one at a
+  time), then returned as measured."""
+  with _LOCK:
+    if plan not in _RATES:
+      started = time.perf_counter()
+      rates = {}
+      for coding in CANDIDATES:
+        seconds, size, changes = _timed_sync(coding, plan, old, new)
+        rates[coding] = CodingRate(seconds, size / max(1, changes))
+      logging.getLogger("jsparse").info(
+          "jsparse: coding='auto' measured %d codings on this tree in %.1f s: %s", len(rates),
+          time.perf_counter() - started,
+          ", ".join(f"{c.value} {1e3 * r.seconds:.1f} ms {r.bytes_per_change:.2f} B/change"
+                    for c, r in rates.items()))
+      _RATES[plan] = rates
+    return _RATES[plan]
 
 
-@functools.lru_cache(maxsize=None)
-def _measured_rates(backend: str | None) -> dict:
-  from jsparse._src.core.plan import make_plan
-  with jax.default_device(jax.devices(backend)[0]):
-    base = _sample(0)
-    plan = make_plan(base, rollout_dtype=jnp.bfloat16, capacity=0.2)
-    news = [_stepped(base, step, k + 1) for k, step in enumerate(_STEPS)]
-    rates = {}
-    for coding in CANDIDATES:
-      (t1, b1, k1), (t2, b2, k2) = (_timed_sync(coding, plan, base, new) for new in news)
-      per_change = (t2 - t1) / max(1, k2 - k1)
-      per_element = (t1 - per_change * k1) / SAMPLE_ELEMENTS
-      if per_change <= 0 or per_element < 0:  # timing noise: charge it all per change
-        per_change, per_element = t2 / max(1, k2), 0.0
-      rates[coding] = CodingRate(per_element, per_change, (b1 + b2) / max(1, k1 + k2))
-  return rates
+def measured(plan) -> dict | None:
+  """The rates :func:`calibrate` measured for ``plan`` in this process (None: not yet)."""
+  with _LOCK:
+    return _RATES.get(plan)

@@ -113,8 +113,8 @@ class Sender:
     coding: a :class:`~jsparse.Coding` (or its string): ``"ranked"`` (the default, ~1 byte
       per change on RL updates), ``"packed"`` (about as small, coded on the device: for
       accelerators), ``"positioned"``, ``"lists"`` (4 bytes per change, the least device
-      work), or ``"auto"`` (per send, the fastest over ``link_gbit``; see
-      :attr:`SendStats.coding`).
+      work), or ``"auto"`` (per send, the fastest over ``link_gbit``, from each coding's time
+      on this tree, measured at the first delta; see :attr:`SendStats.coding`).
     link_gbit: the link's bandwidth in Gbit/s, for ``coding="auto"``.
 
   Raises:
@@ -239,7 +239,7 @@ class Sender:
       return Coding.RANKED
     counts = local_value(changes.delta.counts).astype(np.int64)
     sparse = int(counts[~local_value(changes.delta.overflow)].sum())
-    return auto.choose(auto.measured_rates(), self.plan.num_elements, sparse, self.link_gbit)
+    return auto.choose(auto.measured(self.plan), sparse, self.link_gbit)
 
   def _records(self, coding: Coding, changes: programs.DeviceChanges, snapshot: list,
                full: bool):
@@ -472,6 +472,8 @@ class Sender:
     full = full or needs_anchor or (self.anchor_every is not None
                                     and version % self.anchor_every == 0)
     flat = self._placed_like_snapshot(commit_leaves(self.plan.flatten(params, what="params")))
+    if self.coding is Coding.AUTO and not full and auto.measured(self.plan) is None:
+      auto.calibrate(self.plan, self.snapshot, jax.tree.unflatten(self.plan.treedef, flat))
     snapshot_ids = {id(x) for x in self._snapshot}  # the snapshot is donated below
     flat = [jnp.copy(x) if id(x) in snapshot_ids else x for x in flat]
     old = self._snapshot

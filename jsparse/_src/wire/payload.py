@@ -91,8 +91,9 @@ class Coding(str, enum.Enum):
     but in position order gaps and codes pack less well than in class order (~1.7 B/change
     on a trained model's 1% step).
   - ``AUTO``: per send, the one of the above that syncs fastest over the Sender's
-    ``link_gbit``, predicted from rates measured once per process (``sync/auto.py``); recorded
-    in :attr:`SendStats.coding`. Parts and streams carry ``RANKED``.
+    ``link_gbit``, predicted from each coding's time on the sender's tree, measured at its
+    first delta (``sync/auto.py``); recorded in :attr:`SendStats.coding`. Parts and streams
+    carry ``RANKED``.
 
   >>> import jsparse
   >>> coding = jsparse.Coding("positioned")
