@@ -219,7 +219,8 @@ def test_auto_measures_every_coding_on_its_tree_and_picks_the_fastest_over_the_l
   new = rl_like_update(tree, seed=3)
   assert auto.measured(plan) is None
   receiver.receive(slow.send(new))  # the first delta: every coding measured on this tree
-  rates = auto.measured(plan)
+  calibration = auto.measured(plan)
+  rates = calibration.rates
   assert set(rates) == {jsparse.Coding(c) for c in ("packed", "packed-positioned", "ranked",
                                                     "positioned", "lists")}
   assert all(r.seconds > 0 for r in rates.values())
@@ -231,7 +232,8 @@ def test_auto_measures_every_coding_on_its_tree_and_picks_the_fastest_over_the_l
   fast = jsparse.Sender(plan, tree, coding="auto", link_gbit=1e6)
   fast_receiver = jsparse.Receiver(plan, plan.cast(tree))
   fast_receiver.receive(fast.send(new))
-  assert auto.measured(plan) is rates  # measured once per plan
+  assert auto.measured(plan) is calibration  # measured once per plan
+  assert calibration.changes == changed
   assert fast.last_stats.coding == min(rates, key=lambda c: rates[c].predict(changed, 1e6)).value
   newer = rl_like_update(new, seed=4)
   for sender, rx in ((slow, receiver), (fast, fast_receiver)):

@@ -6,7 +6,8 @@ coding depends on the tree (its leaves' sizes, how the plan chunks them) and on 
 much as on the changes, so it is measured where it will run: at the first delta of a
 ``coding="auto"`` sender, every candidate coding syncs that delta once to a throwaway receiver
 (:func:`calibrate`: one run to compile, the best of a few timed), giving its seconds and its
-bytes per change. Each send then predicts, for ``k`` changes::
+bytes per change. Each send then predicts, for the ``k`` changes of the send before it (or of
+the calibration's), and before its diff (which ranks the changes only for a ranked coding)::
 
   seconds(coding) = measured seconds + k * bytes_per_change * 8 / bandwidth
 
@@ -81,11 +82,20 @@ def _timed_sync(coding: Coding, plan, old: Any, new: Any) -> tuple[float, int, i
   return best, size, changes
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """What :func:`calibrate` measured on a tree: each candidate's :class:`CodingRate`, and the
+  changes of the update it synced."""
+
+  rates: dict
+  changes: int
+
+
 _LOCK = threading.Lock()
-_RATES: dict[Any, dict] = {}  # by plan: each candidate's rate
+_RATES: dict[Any, Calibration] = {}  # by plan
 
 
-def calibrate(plan, old: Any, new: Any) -> dict:
+def calibrate(plan, old: Any, new: Any) -> Calibration:
   """Each candidate coding's :class:`CodingRate` for ``plan``, syncing ``old`` (the rollout's
   tree) to ``new`` (params): measured at the first call for a plan in this process (one at a
   time), then returned as measured."""
@@ -101,11 +111,11 @@ def calibrate(plan, old: Any, new: Any) -> dict:
           time.perf_counter() - started,
           ", ".join(f"{c.value} {1e3 * r.seconds:.1f} ms {r.bytes_per_change:.2f} B/change"
                     for c, r in rates.items()))
-      _RATES[plan] = rates
+      _RATES[plan] = Calibration(rates, changes)
     return _RATES[plan]
 
 
-def measured(plan) -> dict | None:
-  """The rates :func:`calibrate` measured for ``plan`` in this process (None: not yet)."""
+def measured(plan) -> Calibration | None:
+  """What :func:`calibrate` measured for ``plan`` in this process (None: not yet)."""
   with _LOCK:
     return _RATES.get(plan)

@@ -149,6 +149,7 @@ class Sender:
     self._pieces: dict[int, tuple] = {}  # by chunk_bytes: this process's stream pieces
     self.last_stats: SendStats | None = None
     self._overflow_log = OverflowLog()
+    self._step_coding = self.coding  # the coding of the step being sent
 
   def state(self) -> SyncState:
     """What a restarted trainer needs to resume without a full resend. The arrays are the live
@@ -213,7 +214,7 @@ class Sender:
     """
     self._check_single_process()
     with self._anchor_next_if_moved():
-      head, (coding, body) = self._step(params, full, version, self._whole_body)
+      head, (coding, body) = self._step(params, full, version, self._whole_body, choose=True)
       data = framing.frame(self.plan, Payload(head.kind, head.base_version, head.version,
                                               head.base_digest, head.new_digest, (),
                                               coding.format), body)
@@ -224,22 +225,25 @@ class Sender:
   def _whole_body(self, changes: programs.DeviceChanges, snapshot: list, full: bool
                   ) -> tuple[Coding, bytes]:
     """The coding of this version and its payload body."""
-    coding = self._coding_for(changes, full)
+    coding = self._step_coding
     if coding.format == Format.PACKED:
       return coding, packed_body(self.plan, changes, snapshot, full, coding.ranked)
     return coding, framing.encode_records(self.plan, coding.format,
                                           self._records(coding, changes, snapshot, full))
 
-  def _coding_for(self, changes: programs.DeviceChanges, full: bool) -> Coding:
-    """The sender's coding, or for ``"auto"`` the one predicted fastest for these changes over
-    the link (an anchor: ranked; all codings carry it alike)."""
+  def _coding_for(self, full: bool, flat: list) -> Coding:
+    """The sender's coding, or for ``"auto"`` the one predicted fastest over the link for as
+    many changes as the last delta had (an anchor: ranked; all codings carry it alike). The
+    first delta of a plan measures every coding on it (``auto.calibrate``)."""
     if self.coding is not Coding.AUTO:
       return self.coding
     if full:
       return Coding.RANKED
-    counts = local_value(changes.delta.counts).astype(np.int64)
-    sparse = int(counts[~local_value(changes.delta.overflow)].sum())
-    return auto.choose(auto.measured(self.plan), sparse, self.link_gbit)
+    calibration = auto.measured(self.plan) or auto.calibrate(
+        self.plan, self.snapshot, jax.tree.unflatten(self.plan.treedef, flat))
+    last = self.last_stats
+    expected = last.changed if last is not None and not last.anchor else calibration.changes
+    return auto.choose(calibration.rates, expected, self.link_gbit)
 
   def _records(self, coding: Coding, changes: programs.DeviceChanges, snapshot: list,
                full: bool):
@@ -454,9 +458,12 @@ class Sender:
     return self._encode_part(head, dense_records(self.plan, self._units, self._snapshot))
 
   @mesh_neutral
-  def _step(self, params: PyTree, full: bool, version: int | None, host_stage) -> tuple:
+  def _step(self, params: PyTree, full: bool, version: int | None, host_stage,
+            choose: bool = False) -> tuple:
     """Diffs ``params`` against the snapshot, codes the changes with ``host_stage(changes,
-    next snapshot, full)`` and moves to the new version: (the header, the records)."""
+    next snapshot, full)`` and moves to the new version: (the header, the records).
+    ``choose``: the step's coding (``_step_coding``) is chosen for it (``"auto"``), else the
+    sender's."""
     version = check_version(self.version + 1 if version is None else version)
     if version <= self.version:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}: "
@@ -472,14 +479,13 @@ class Sender:
     full = full or needs_anchor or (self.anchor_every is not None
                                     and version % self.anchor_every == 0)
     flat = self._placed_like_snapshot(commit_leaves(self.plan.flatten(params, what="params")))
-    if self.coding is Coding.AUTO and not full and auto.measured(self.plan) is None:
-      auto.calibrate(self.plan, self.snapshot, jax.tree.unflatten(self.plan.treedef, flat))
+    self._step_coding = self._coding_for(full, flat) if choose else self.coding
     snapshot_ids = {id(x) for x in self._snapshot}  # the snapshot is donated below
     flat = [jnp.copy(x) if id(x) in snapshot_ids else x for x in flat]
     old = self._snapshot
     try:
       changes, self._snapshot, digest = programs.sender_changes(
-          self.plan, self.coding, old, flat, ranks=not full)
+          self.plan, self._step_coding, old, flat, ranks=not full)
     except BaseException:
       if any(x.is_deleted() for x in old):  # donated: only an anchor from new params is exact
         self._snapshot_lost = self._needs_anchor = True
