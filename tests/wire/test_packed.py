@@ -175,11 +175,9 @@ def test_packed_programs_are_tpu_friendly():
   texts = [device_codes.pack_program.lower(chunk.plan, ranked, keys, bits, bits, counts,
                                            blocks).as_text() for ranked in (False, True)]
   slots = tuple(s.capacity for s in segs)
-  n_keys, n_codes = device_codes.stream_sizes(chunk.plan, slots)
   texts.append(device_codes.unpack_program.lower(
-      chunk.plan, slots, jnp.zeros(bitpack.num_blocks(n_keys), jnp.uint8),
-      jnp.zeros(n_keys + 33, jnp.uint32), jnp.zeros(bitpack.num_blocks(n_codes), jnp.uint8),
-      jnp.zeros(n_codes + 33, jnp.uint32), counts, blocks).as_text())
+      chunk.plan, slots, jnp.zeros(4096, jnp.uint8), jnp.zeros(4, jnp.int32), counts,
+      blocks).as_text())
   # A part's unit of a split leaf: to and from positions in the unit.
   slots = [jnp.zeros((16,), jnp.int32)] * 3
   texts.append(packed_units._unit_changes.lower((64, 48), (8, 48), slots, slots, slots,

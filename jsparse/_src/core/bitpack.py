@@ -55,7 +55,12 @@ def num_words(widths: np.ndarray, count: int, page_blocks: int = PAGE_BLOCKS) ->
   """``uint32`` words that :func:`pack` fills with ``count`` values in blocks of ``widths``
   (on the host): per page, its values' bits (the last block holds only its values, not 32)
   rounded up to whole words."""
-  bits = np.asarray(widths, np.int64) * _block_values(len(widths), count, np)
+  widths = np.asarray(widths, np.int64)
+  full = len(widths) - 1  # blocks before the last: full when count fills them (a stream's own)
+  if 0 <= full < page_blocks and count >= BLOCK * full:
+    bits = BLOCK * int(widths[:full].sum()) + int(widths[full]) * min(BLOCK, count - BLOCK * full)
+    return (bits + 31) // 32
+  bits = widths * _block_values(len(widths), count, np)
   pages = np.add.reduceat(bits, np.arange(0, len(bits), page_blocks)) if len(bits) else bits
   return int(np.sum((pages + 31) // 32))
 

@@ -5,10 +5,10 @@ Sender (:func:`packed_body`): each chunk with changes runs ``pack_program`` on t
 chunks are dispatched first, so the device packs chunk ``k + 1`` while the host copies chunk
 ``k``); the host then copies only the used prefix of each stream (sliced on the device at one
 of a few sizes, at most twice what is used) and frames it. Receiver (:func:`receiver_inputs`):
-each chunk's streams are padded to the chunk's static slot sizes, put on the device of its
-leaves, unpacked and checked there (one flag per chunk, read before anything is applied), and
-replicated over the devices of each segment's leaves, as ``staging.py`` does for the other
-formats.
+the streams of all chunks staged on one device go there as their bytes, in one copy; each
+chunk is unpacked and checked there from its offsets (one flag per chunk, read before
+anything is applied), and replicated over the devices of each segment's leaves, as
+``staging.py`` does for the other formats.
 
 >>> import jax.numpy as jnp, jsparse
 >>> params = {'w': jnp.zeros(1000)}
@@ -144,16 +144,12 @@ def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool,
   return collect_body(plan, pack_chunks(plan, changes, full, ranked), changes, snapshot)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def pad_to(x: jax.Array, size: int) -> jax.Array:
-  return jnp.zeros((size,), x.dtype).at[:x.shape[0]].set(x)
-
-
-def padded(values: np.ndarray | None, size: int, dtype: np.dtype) -> np.ndarray:
-  out = np.zeros(size, dtype)
-  if values is not None:
-    out[:len(values)] = values
-  return out
+def on_device(data: bytes, device) -> jax.Array:
+  """``data`` as ``uint8`` on ``device``, at one of a few sizes (:func:`copy_size`: zeros
+  after it), so that the programs that read it compile once per doubling."""
+  host = np.zeros(copy_size(len(data)), np.uint8)
+  host[:len(data)] = np.frombuffer(data, np.uint8)
+  return jax.device_put(host, device)
 
 
 def _block_starts(blocks: int, counts: np.ndarray | None) -> np.ndarray | None:
@@ -165,28 +161,30 @@ def _block_starts(blocks: int, counts: np.ndarray | None) -> np.ndarray | None:
 
 
 def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody) -> list:
-  """The host half of :func:`receiver_inputs`: each chunk's streams put on the first device of
-  its leaves and padded there to the sizes of its slots; per chunk ``(device, slots, arrays,
+  """The host half of :func:`receiver_inputs`: the streams of all chunks staged on a device
+  go there in one copy, as bytes; per chunk ``(device, slots, (bytes, their offsets, counts),
   block starts)``."""
   slots = programs.slots_needed(plan, body.counts)
-  staged = []
+  by_device: dict = {}  # device: (its chunks' streams bytes, their length so far)
+  placed = []
   for c, stream in zip(chunks_of(plan), body.streams):
     ids = list(c.segment_ids)
-    chunk_slots = tuple(slots[s] for s in ids)
-    n_keys, n_codes = device_codes.stream_sizes(c.plan, chunk_slots)
-    stream = stream or (None,) * 4
-    sizes = (bitpack.num_blocks(n_keys), bitpack.max_words(n_keys),
-             bitpack.num_blocks(n_codes), bitpack.max_words(n_codes))
-    dtypes = (np.uint8, np.uint32, np.uint8, np.uint32)
-    # Each array crosses at about its own size (a power of two), and is padded to
-    # the static size of the chunk's slots on the device.
-    host = [padded(values, min(copy_size(0 if values is None else len(values)), size), dtype)
-            for values, size, dtype in zip(stream, sizes, dtypes)]
     device = staging_device(replicated_on(flat[plan.segments[ids[0]].leaf_ids[0]]))
-    arrays = [pad_to(x, size) for x, size in zip(jax.device_put(host, device), sizes)]
+    pieces, at = by_device.setdefault(device, ([], [0]))
+    offsets = None
+    if stream is not None:
+      offsets = packed.stream_offsets(stream, at[0])
+      pieces.append(packed.streams_bytes(stream))
+      at[0] += len(pieces[-1])
+    placed.append((device, ids, offsets))
+  data = {device: on_device(b"".join(pieces), device)
+          for device, (pieces, _) in by_device.items()}
+  staged = []
+  for device, ids, offsets in placed:
     starts = tuple(_block_starts(plan.segments[s].blocks, body.block_counts[s]) for s in ids)
-    staged.append((device, chunk_slots, (*arrays, jax.device_put(body.counts[ids], device)),
-                   starts))
+    inputs = (data[device], np.asarray(offsets or (0,) * 4, np.int32),
+              np.asarray(body.counts[ids], np.int32))
+    staged.append((device, tuple(slots[s] for s in ids), inputs, starts))
   return staged
 
 

@@ -36,11 +36,11 @@ from jsparse._src.core import bitpack
 from jsparse._src.core.chunks import sub_plan
 from jsparse._src.core.plan import Plan
 from jsparse._src.core.units import Unit, local_value, owned_slots, unit_slot
-from jsparse._src.sync.packed_stage import copy_size, host_prefix, pad_to, padded
+from jsparse._src.sync.packed_stage import host_prefix, on_device
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
 from jsparse._src.wire import device_codes
-from jsparse._src.wire.packed import PackedRecord
+from jsparse._src.wire.packed import PackedRecord, stream_offsets, streams_bytes
 from jsparse._src.wire.payload import Mode, SegmentPayload
 
 
@@ -199,16 +199,12 @@ def stage_unit(plan: Plan, unit: Unit, record: PackedRecord, staged: StagedRecor
   before applying anything)."""
   uplan = unit_plan(plan, unit)
   slots = uplan.segments[0].capacity
-  n_codes = slots * device_codes.values_per_change(uplan.segments[0])
-  sizes = (bitpack.num_blocks(slots), bitpack.max_words(slots), bitpack.num_blocks(n_codes),
-           bitpack.max_words(n_codes))
-  host = [padded(values, min(copy_size(len(values)), size), values.dtype)
-          for values, size in zip(record.streams, sizes)]
   device = staged.device(unit.segment)
-  arrays = [pad_to(x, size) for x, size in zip(jax.device_put(host, device), sizes)]
+  data = on_device(streams_bytes(record.streams), device)
   with jax.default_device(device):
     (keys,), (values,), ok = device_codes.unpack_program(
-        uplan, (slots,), *arrays, np.array([record.count], np.int32), (None,))
+        uplan, (slots,), data, np.asarray(stream_offsets(record.streams), np.int32),
+        np.array([record.count], np.int32), (None,))
     if plan.segments[unit.segment].blocks > 1:
       keys = _segment_positions(*_geometry(plan, unit), keys,
                                 np.asarray(unit.blocks, np.int32))

@@ -218,22 +218,48 @@ def _segment_values(seg: Segment, codes: jax.Array, start: jax.Array, count: jax
   return jnp.where(used, from_value_codes(z, seg.bit_dtype), seg.bit_dtype.type(0)), ok
 
 
+def _bytes_at(data: jax.Array, start: jax.Array, n: int) -> jax.Array:
+  """``uint8[n]``: the bytes of ``data`` from ``start`` (0 past its end)."""
+  return jnp.take(data, start + jnp.arange(n, dtype=jnp.int32), mode="fill", fill_value=0)
+
+
+def _words_at(data: jax.Array, start: jax.Array, n: int) -> jax.Array:
+  """``uint32[n]``: the little-endian words of ``data`` from byte ``start``, aligned or not (0
+  past its end)."""
+  at = start + 4 * jnp.arange(n, dtype=jnp.int32)[:, None] + jnp.arange(4, dtype=jnp.int32)
+  b = jnp.take(data, at, mode="fill", fill_value=0).astype(jnp.uint32)
+  return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+
+
+def _stream(data: jax.Array, widths_at: jax.Array, words_at: jax.Array, count: jax.Array,
+            size: int) -> jax.Array:
+  """The first ``count`` values (0 after them, ``uint32[size]``) of a stream whose widths and
+  words begin at those bytes of ``data``: what follows the stream in ``data`` is never read
+  into a value."""
+  blocks = bitpack.num_blocks(size)
+  widths = _bytes_at(data, widths_at, blocks)
+  widths = jnp.where(jnp.arange(blocks) < (count + bitpack.BLOCK - 1) // bitpack.BLOCK, widths,
+                     jnp.uint8(0))
+  return bitpack.unpack(widths, _words_at(data, words_at, bitpack.max_words(size)), count, size)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def unpack_program(plan: Plan, slots: tuple[int, ...], key_widths: jax.Array,
-                   key_words: jax.Array, code_widths: jax.Array, code_words: jax.Array,
+def unpack_program(plan: Plan, slots: tuple[int, ...], data: jax.Array, offsets: jax.Array,
                    counts: jax.Array, block_starts: tuple) -> tuple:
   """Inverse of :func:`pack_program` for a receiver: ``(keys, ulp codes, ok)``, per segment in
   ``slots[s]`` slots (keys: the segment size in unused slots), and whether every key and code
-  is well formed. ``counts``: per segment, its changes in the streams (0: none);
-  ``block_starts``: per segment split into blocks, where each block's run starts among the
-  segment's changes (else None). The widths must be checked (at most 32) on the host."""
+  is well formed. ``data``: bytes that hold the chunk's two streams (``wire/packed.py``),
+  ``offsets``: where their key widths, key words, code widths and code words begin in it;
+  ``counts``: per segment, its changes in the streams (0: none); ``block_starts``: per segment
+  split into blocks, where each block's run starts among the segment's changes (else None).
+  The widths and word counts must be checked on the host."""
   total_keys = sum(slots)
   total_codes = sum(n * values_per_change(seg) for n, seg in zip(slots, plan.segments))
   per_change = jnp.array([values_per_change(seg) for seg in plan.segments], jnp.int32)
   key_start = jnp.cumsum(counts) - counts
   code_start = jnp.cumsum(counts * per_change) - counts * per_change
-  gaps = bitpack.unpack(key_widths, key_words, jnp.sum(counts), total_keys)
-  codes = bitpack.unpack(code_widths, code_words, jnp.sum(counts * per_change), total_codes)
+  gaps = _stream(data, offsets[0], offsets[1], jnp.sum(counts), total_keys)
+  codes = _stream(data, offsets[2], offsets[3], jnp.sum(counts * per_change), total_codes)
   keys_out, values_out, ok = [], [], jnp.bool_(True)
   for s, (seg, n) in enumerate(zip(plan.segments, slots)):
     keys, keys_ok = _segment_keys(plan, seg, gaps, key_start[s], counts[s], block_starts[s], n)
@@ -243,7 +269,3 @@ def unpack_program(plan: Plan, slots: tuple[int, ...], key_widths: jax.Array,
     ok = ok & keys_ok & values_ok
   return tuple(keys_out), tuple(values_out), ok
 
-
-def stream_sizes(plan: Plan, slots: Sequence[int]) -> tuple[int, int]:
-  """The static lengths (keys, codes) of a chunk's streams at ``slots``."""
-  return (sum(slots), sum(n * values_per_change(seg) for n, seg in zip(slots, plan.segments)))

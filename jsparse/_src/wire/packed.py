@@ -83,8 +83,26 @@ def encode_unit(record) -> bytes:
   bits (little-endian)."""
   if record.mode == Mode.DENSE:
     return np.ascontiguousarray(record.values, record.values.dtype.newbyteorder("<")).tobytes()
-  keys, codes = record.streams[:2], record.streams[2:]
-  return encode_stream(*keys) + encode_stream(*codes)
+  return streams_bytes(record.streams)
+
+
+def streams_bytes(streams: tuple) -> bytes:
+  """A chunk's (or unit's) key stream then code stream, as the body holds them."""
+  return encode_stream(*streams[:2]) + encode_stream(*streams[2:])
+
+
+def stream_offsets(streams: tuple, start: int = 0) -> tuple[int, int, int, int]:
+  """Where the key widths, key words, code widths and code words of ``streams`` begin in
+  :func:`streams_bytes` placed at byte ``start``.
+
+  >>> stream_offsets((np.zeros(2, np.uint8), np.zeros(3, np.uint32), np.zeros(1, np.uint8),
+  ...                 np.zeros(1, np.uint32)))
+  (4, 6, 22, 23)
+  """
+  key_widths = start + _U32.size
+  key_words = key_widths + len(streams[0])
+  code_widths = key_words + 4 * len(streams[1]) + _U32.size
+  return key_widths, key_words, code_widths, code_widths + len(streams[2])
 
 
 def decode_unit(slot: Segment, mode: Mode, count: int, reader: Reader, where: str):
@@ -130,7 +148,7 @@ def encode_body(plan: Plan, modes: Sequence[Mode], counts: np.ndarray, block_cou
       out.append(np.asarray(block_counts[s], "<u4").tobytes())
   for stream in streams:
     if stream is not None:
-      out += [encode_stream(stream[0], stream[1]), encode_stream(stream[2], stream[3])]
+      out.append(streams_bytes(stream))
   for s, mode in enumerate(modes):
     if mode == Mode.DENSE:
       bits = dense(s)
