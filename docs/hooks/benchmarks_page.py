@@ -167,6 +167,13 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
       v["positioned_extra_bytes"] = lambda: _pct(positioned["bytes"] / ranked["bytes"] - 1, 0)
       v["ranked_vs_positioned_apply"] = lambda: (f"{_ms(ranked['device_apply'])} ms against "
                                                  f"{_ms(positioned['device_apply'])} ms")
+    if "auto" in sync:
+      v["auto_table"] = lambda: _rows(
+          ["link", "`auto` chose", "`auto` end to end", "fastest fixed coding", "its end to end",
+           "auto / fastest"],
+          [[f"{_gbit(g)} Gbit/s", f"`{x['chosen']}`", f"{_ms(x['e2e'])} ms", x["best_fixed"],
+            f"{_ms(x['best_fixed_e2e'])} ms", f"{x['e2e'] / x['best_fixed_e2e']:.2f}x"]
+           for g, x in sync["auto"].items()])
     fewest = min(methods, key=lambda n: methods[n]["bytes"])
     v["fewest_bytes"] = lambda: fewest
     v["best_per_link"] = lambda: "; ".join(

@@ -49,6 +49,9 @@ METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + 
            "jsparse format 1 (lists)", "jsparse format 2 (compact)",
            "jsparse format 2, positioned", "jsparse format 3 (packed)",
            "jsparse format 3, positioned")
+# The jsparse methods' codings.
+CODINGS = {METHODS[3]: Coding.LISTS, METHODS[4]: Coding.RANKED, METHODS[5]: Coding.POSITIONED,
+           METHODS[6]: Coding.PACKED, METHODS[7]: Coding.PACKED_POSITIONED}
 
 
 def _best(fn: Callable, setup: Callable[[], tuple] = tuple, repeats: int = 5) -> float:
@@ -310,11 +313,7 @@ def compare_methods(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 
       METHODS[0]: _dense,
       METHODS[1]: _raw_int32,
       METHODS[2]: _xor_zstd,
-      METHODS[3]: functools.partial(_jsparse, coding=Coding.LISTS),
-      METHODS[4]: functools.partial(_jsparse, coding=Coding.RANKED),
-      METHODS[5]: functools.partial(_jsparse, coding=Coding.POSITIONED),
-      METHODS[6]: functools.partial(_jsparse, coding=Coding.PACKED),
-      METHODS[7]: functools.partial(_jsparse, coding=Coding.PACKED_POSITIONED),
+      **{name: functools.partial(_jsparse, coding=coding) for name, coding in CODINGS.items()},
   }
   return {name: runs[name](plan, before, after, repeats) for name in methods}
 
@@ -442,27 +441,33 @@ def run(plan: jsparse.Plan, states: list, repeats: int = 5,
 def auto_against_fixed(plan: jsparse.Plan, before: Any, after: Any, rows: dict,
                        repeats: int = 5) -> dict:
   """Per link bandwidth of :data:`LINKS_GBIT`: a ``coding="auto"`` Sender's choice for this
-  update and its end-to-end seconds (encode + bytes / bandwidth + apply, timed as the rows
-  are), against the fastest of the fixed jsparse codings among ``rows`` at that bandwidth."""
+  update and its end-to-end seconds (encode + bytes / bandwidth + apply), against the fastest
+  of the fixed jsparse codings among ``rows`` at that bandwidth, timed again next to it."""
   snapshot = plan.cast(before)
   fresh_receiver = lambda: (jsparse.Receiver(plan, _copy(snapshot)),)
-  out = {}
-  for gbit in LINKS_GBIT:
-    fresh_sender = lambda: (jsparse.Sender(plan, before, coding="auto", link_gbit=gbit),)
+
+  def e2e(coding: Coding, gbit: float) -> tuple[float, int, str]:
+    fresh_sender = lambda: (jsparse.Sender(plan, before, coding=coding, link_gbit=gbit),)
     sender = fresh_sender()[0]
     data = sender.send(after)
     seconds = (_best(lambda s: s.send(after), fresh_sender, repeats) + len(data) * 8 / (gbit * 1e9)
                + _best(lambda r: r.receive(data), fresh_receiver, repeats))
+    return seconds, len(data), sender.last_stats.coding
+
+  out = {}
+  for gbit in LINKS_GBIT:
     fixed = {name: r["encode"] + r["bytes"] * 8 / (gbit * 1e9) + r["apply"]
-             for name, r in rows.items() if name.startswith("jsparse")}
+             for name, r in rows.items() if name in CODINGS}
     best = min(fixed, key=fixed.get)
-    out[gbit] = {"chosen": sender.last_stats.coding, "bytes": len(data), "e2e": seconds,
-                 "best_fixed": best, "best_fixed_e2e": fixed[best]}
+    seconds, size, chosen = e2e(Coding.AUTO, gbit)
+    out[gbit] = {"chosen": chosen, "bytes": size, "e2e": seconds, "best_fixed": best,
+                 "best_fixed_e2e": e2e(CODINGS[best], gbit)[0]}
   return out
 
 
 def print_auto(rows: dict) -> None:
-  print("\ncoding=\"auto\" against the fastest fixed coding of this run (end-to-end ms):")
+  print("\ncoding=\"auto\" against the fastest fixed coding of this run, timed side by side "
+        "(end-to-end ms):")
   for gbit, r in rows.items():
     print(f"  {gbit:>5g} Gbit/s: auto chose {r['chosen']:<18}{1e3 * r['e2e']:>9.1f}  |  "
           f"fastest fixed: {r['best_fixed']:<30}{1e3 * r['best_fixed_e2e']:>9.1f}  "
