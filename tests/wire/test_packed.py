@@ -176,7 +176,7 @@ def test_packed_programs_are_tpu_friendly():
                                            blocks).as_text() for ranked in (False, True)]
   slots = tuple(s.capacity for s in segs)
   texts.append(device_codes.unpack_program.lower(
-      chunk.plan, slots, jnp.zeros(4096, jnp.uint8), jnp.zeros(4, jnp.int32), counts,
+      chunk.plan, slots, jnp.zeros(4096, jnp.uint32), jnp.zeros(4, jnp.int32), counts,
       blocks).as_text())
   # A part's unit of a split leaf: to and from positions in the unit.
   slots = [jnp.zeros((16,), jnp.int32)] * 3

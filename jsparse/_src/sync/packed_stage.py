@@ -5,8 +5,8 @@ Sender (:func:`packed_body`): each chunk with changes runs ``pack_program`` on t
 chunks are dispatched first, so the device packs chunk ``k + 1`` while the host copies chunk
 ``k``); the host then copies only the used prefix of each stream (sliced on the device at one
 of a few sizes, at most twice what is used) and frames it. Receiver (:func:`receiver_inputs`):
-the streams of all chunks staged on one device go there as their bytes, in one copy; each
-chunk is unpacked and checked there from its offsets (one flag per chunk, read before
+the streams of all chunks staged on one device go there in one copy (each array on a word);
+each chunk is unpacked and checked there from its offsets (one flag per chunk, read before
 anything is applied), and replicated over the devices of each segment's leaves, as
 ``staging.py`` does for the other formats.
 
@@ -144,12 +144,13 @@ def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool,
   return collect_body(plan, pack_chunks(plan, changes, full, ranked), changes, snapshot)
 
 
-def on_device(data: bytes, device) -> jax.Array:
-  """``data`` as ``uint8`` on ``device``, at one of a few sizes (:func:`copy_size`: zeros
-  after it), so that the programs that read it compile once per doubling."""
-  host = np.zeros(copy_size(len(data)), np.uint8)
-  host[:len(data)] = np.frombuffer(data, np.uint8)
-  return jax.device_put(host, device)
+def on_device(streams: Sequence[tuple | None], device) -> tuple[jax.Array, list]:
+  """Streams laid in one ``uint32`` buffer (``device_codes.aligned_streams``) of one of a
+  few sizes (:func:`copy_size`: zeros after them, so that the programs that read it compile
+  once per doubling), on ``device``; and each stream's word offsets."""
+  words = sum(-(-np.asarray(a).nbytes // 4) for stream in streams for a in stream or ())
+  data, offsets = device_codes.aligned_streams(streams, copy_size(words))
+  return jax.device_put(data, device), offsets
 
 
 def _block_starts(blocks: int, counts: np.ndarray | None) -> np.ndarray | None:
@@ -162,27 +163,22 @@ def _block_starts(blocks: int, counts: np.ndarray | None) -> np.ndarray | None:
 
 def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody) -> list:
   """The host half of :func:`receiver_inputs`: the streams of all chunks staged on a device
-  go there in one copy, as bytes; per chunk ``(device, slots, (bytes, their offsets, counts),
-  block starts)``."""
+  go there in one copy; per chunk ``(device, slots, (words, their offsets, counts), block
+  starts)``."""
   slots = programs.slots_needed(plan, body.counts)
-  by_device: dict = {}  # device: (its chunks' streams bytes, their length so far)
-  placed = []
-  for c, stream in zip(chunks_of(plan), body.streams):
-    ids = list(c.segment_ids)
-    device = staging_device(replicated_on(flat[plan.segments[ids[0]].leaf_ids[0]]))
-    pieces, at = by_device.setdefault(device, ([], [0]))
-    offsets = None
-    if stream is not None:
-      offsets = packed.stream_offsets(stream, at[0])
-      pieces.append(packed.streams_bytes(stream))
-      at[0] += len(pieces[-1])
-    placed.append((device, ids, offsets))
-  data = {device: on_device(b"".join(pieces), device)
-          for device, (pieces, _) in by_device.items()}
+  devices = [staging_device(replicated_on(flat[plan.segments[c.segment_ids[0]].leaf_ids[0]]))
+             for c in chunks_of(plan)]
+  placed = {}  # device: (its words, each of its chunks' offsets)
+  for device in dict.fromkeys(devices):
+    mine = [k for k, d in enumerate(devices) if d == device]
+    data, offsets = on_device([body.streams[k] for k in mine], device)
+    placed[device] = (data, dict(zip(mine, offsets)))
   staged = []
-  for device, ids, offsets in placed:
+  for k, (c, device) in enumerate(zip(chunks_of(plan), devices)):
+    ids = list(c.segment_ids)
+    data, offsets = placed[device]
     starts = tuple(_block_starts(plan.segments[s].blocks, body.block_counts[s]) for s in ids)
-    inputs = (data[device], np.asarray(offsets or (0,) * 4, np.int32),
+    inputs = (data, np.asarray(offsets[k] or (0,) * 4, np.int32),
               np.asarray(body.counts[ids], np.int32))
     staged.append((device, tuple(slots[s] for s in ids), inputs, starts))
   return staged

@@ -40,7 +40,7 @@ from jsparse._src.sync.packed_stage import host_prefix, on_device
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
 from jsparse._src.wire import device_codes
-from jsparse._src.wire.packed import PackedRecord, stream_offsets, streams_bytes
+from jsparse._src.wire.packed import PackedRecord
 from jsparse._src.wire.payload import Mode, SegmentPayload
 
 
@@ -200,11 +200,11 @@ def stage_unit(plan: Plan, unit: Unit, record: PackedRecord, staged: StagedRecor
   uplan = unit_plan(plan, unit)
   slots = uplan.segments[0].capacity
   device = staged.device(unit.segment)
-  data = on_device(streams_bytes(record.streams), device)
+  data, (offsets,) = on_device([record.streams], device)
   with jax.default_device(device):
     (keys,), (values,), ok = device_codes.unpack_program(
-        uplan, (slots,), data, np.asarray(stream_offsets(record.streams), np.int32),
-        np.array([record.count], np.int32), (None,))
+        uplan, (slots,), data, np.asarray(offsets, np.int32), np.array([record.count], np.int32),
+        (None,))
     if plan.segments[unit.segment].blocks > 1:
       keys = _segment_positions(*_geometry(plan, unit), keys,
                                 np.asarray(unit.blocks, np.int32))

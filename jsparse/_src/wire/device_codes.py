@@ -218,23 +218,23 @@ def _segment_values(seg: Segment, codes: jax.Array, start: jax.Array, count: jax
   return jnp.where(used, from_value_codes(z, seg.bit_dtype), seg.bit_dtype.type(0)), ok
 
 
-def _bytes_at(data: jax.Array, start: jax.Array, n: int) -> jax.Array:
-  """``uint8[n]``: the bytes of ``data`` from ``start`` (0 past its end)."""
+def _words_at(data: jax.Array, start: jax.Array, n: int) -> jax.Array:
+  """``uint32[n]``: the words of ``data`` from word ``start`` (0 past its end)."""
   return jnp.take(data, start + jnp.arange(n, dtype=jnp.int32), mode="fill", fill_value=0)
 
 
-def _words_at(data: jax.Array, start: jax.Array, n: int) -> jax.Array:
-  """``uint32[n]``: the little-endian words of ``data`` from byte ``start``, aligned or not (0
-  past its end)."""
-  at = start + 4 * jnp.arange(n, dtype=jnp.int32)[:, None] + jnp.arange(4, dtype=jnp.int32)
-  b = jnp.take(data, at, mode="fill", fill_value=0).astype(jnp.uint32)
-  return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+def _bytes_at(data: jax.Array, start: jax.Array, n: int) -> jax.Array:
+  """``uint8[n]``: the bytes laid in the words of ``data`` from word ``start``, each word's
+  least significant byte first."""
+  words = _words_at(data, start, -(-n // 4))
+  shifts = jnp.uint32(8) * jnp.arange(4, dtype=jnp.uint32)
+  return ((words[:, None] >> shifts) & jnp.uint32(0xFF)).astype(jnp.uint8).reshape(-1)[:n]
 
 
 def _stream(data: jax.Array, widths_at: jax.Array, words_at: jax.Array, count: jax.Array,
             size: int) -> jax.Array:
   """The first ``count`` values (0 after them, ``uint32[size]``) of a stream whose widths and
-  words begin at those bytes of ``data``: what follows the stream in ``data`` is never read
+  words begin at those words of ``data``: what follows the stream in ``data`` is never read
   into a value."""
   blocks = bitpack.num_blocks(size)
   widths = _bytes_at(data, widths_at, blocks)
@@ -248,8 +248,9 @@ def unpack_program(plan: Plan, slots: tuple[int, ...], data: jax.Array, offsets:
                    counts: jax.Array, block_starts: tuple) -> tuple:
   """Inverse of :func:`pack_program` for a receiver: ``(keys, ulp codes, ok)``, per segment in
   ``slots[s]`` slots (keys: the segment size in unused slots), and whether every key and code
-  is well formed. ``data``: bytes that hold the chunk's two streams (``wire/packed.py``),
-  ``offsets``: where their key widths, key words, code widths and code words begin in it;
+  is well formed. ``data``: ``uint32`` words that hold the chunk's two streams, each of their
+  widths and words starting on a word (:func:`aligned_streams`), ``offsets``: the words where
+  the key widths, key words, code widths and code words begin;
   ``counts``: per segment, its changes in the streams (0: none); ``block_starts``: per segment
   split into blocks, where each block's run starts among the segment's changes (else None).
   The widths and word counts must be checked on the host."""
@@ -269,3 +270,33 @@ def unpack_program(plan: Plan, slots: tuple[int, ...], data: jax.Array, offsets:
     ok = ok & keys_ok & values_ok
   return tuple(keys_out), tuple(values_out), ok
 
+
+def aligned_streams(streams: Sequence[tuple | None], size: int | None = None
+                    ) -> tuple[np.ndarray, list]:
+  """Chunks' (or units') streams (``(key widths, key words, code widths, code words)`` or
+  None) laid in one ``uint32`` buffer of ``size`` words (default: just enough), each array
+  starting on a word, as :func:`unpack_program` reads them; and per stream the four word
+  offsets (None for None). On the host: a copy of the streams' bytes.
+
+  >>> data, offsets = aligned_streams([(np.array([3, 5], np.uint8), np.array([7], np.uint32),
+  ...                                   np.array([1], np.uint8), np.array([9], np.uint32))])
+  >>> data.tolist(), offsets
+  ([1283, 7, 1, 9], [(0, 1, 2, 3)])
+  """
+  offsets, at = [], 0
+  for stream in streams:
+    if stream is None:
+      offsets.append(None)
+      continue
+    starts = []
+    for array in stream:
+      starts.append(at)
+      at += -(-np.asarray(array).nbytes // 4)
+    offsets.append(tuple(starts))
+  data = np.zeros(at if size is None else size, "<u4")
+  view = data.view(np.uint8)
+  for stream, starts in zip(streams, offsets):
+    for array, start in zip(stream or (), starts or ()):
+      raw = np.ascontiguousarray(array, np.asarray(array).dtype.newbyteorder("<")).view(np.uint8)
+      view[4 * start:4 * start + raw.size] = raw
+  return data, offsets

@@ -91,20 +91,6 @@ def streams_bytes(streams: tuple) -> bytes:
   return encode_stream(*streams[:2]) + encode_stream(*streams[2:])
 
 
-def stream_offsets(streams: tuple, start: int = 0) -> tuple[int, int, int, int]:
-  """Where the key widths, key words, code widths and code words of ``streams`` begin in
-  :func:`streams_bytes` placed at byte ``start``.
-
-  >>> stream_offsets((np.zeros(2, np.uint8), np.zeros(3, np.uint32), np.zeros(1, np.uint8),
-  ...                 np.zeros(1, np.uint32)))
-  (4, 6, 22, 23)
-  """
-  key_widths = start + _U32.size
-  key_words = key_widths + len(streams[0])
-  code_widths = key_words + 4 * len(streams[1]) + _U32.size
-  return key_widths, key_words, code_widths, code_widths + len(streams[2])
-
-
 def decode_unit(slot: Segment, mode: Mode, count: int, reader: Reader, where: str):
   """Inverse of :func:`encode_unit` for a unit of ``slot`` whose table entry states ``mode``
   and ``count``: a dense ``SegmentPayload``, or a :class:`PackedRecord` whose streams are
