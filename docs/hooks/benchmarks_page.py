@@ -174,6 +174,16 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
           [[f"{_gbit(g)} Gbit/s", f"`{x['chosen']}`", f"{_ms(x['e2e'])} ms", x["best_fixed"],
             f"{_ms(x['best_fixed_e2e'])} ms", f"{x['e2e'] / x['best_fixed_e2e']:.2f}x"]
            for g, x in sync["auto"].items()])
+    v["device_coded_table"] = lambda: _rows(
+        ["coding", "send device passes", "receive device passes", "host stages"],
+        [[name, f"{_ms(x['diff'] + x['device_pack'])} ms "
+                f"({(x['diff'] + x['device_pack']) / floor:.2f}x compare-and-count)",
+          f"{_ms(x['device_unpack'] + x['device_apply'])} ms "
+          f"({(x['device_unpack'] + x['device_apply']) / copy:.2f}x a dense cast and copy)",
+          f"{_ms(x['host_encode'] + x['host_decode'])} ms "
+          f"({(x['host_encode'] + x['host_decode']) / x['bytes_floor']:.1f}x moving and "
+          f"checksumming its bytes, {_ms(x['bytes_floor'])} ms)"]
+         for name, x in methods.items() if "device_pack" in x])
     fewest = min(methods, key=lambda n: methods[n]["bytes"])
     v["fewest_bytes"] = lambda: fewest
     v["best_per_link"] = lambda: "; ".join(
@@ -284,6 +294,14 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
           f"{x['encode'] / 1e6:.1f} M/s ({x['encode'] / base['encode']:.2f}x)",
           f"{x['decode'] / 1e6:.1f} M/s ({x['decode'] / base['decode']:.2f}x)"]
          for n, x in rates.items()])
+  if r.get("packed_estimate"):
+    v["packed_estimate_table"] = lambda: _rows(
+        ["model", "link", "payload", "device passes", "host", "wire", "sparse", "dense bf16",
+         "dense / sparse"],
+        [[_params(x["params"]), f"{x['link_gbit']:g} Gbit/s", _mb(x["payload_bytes"]),
+          f"{x['device']:.2f} s", f"{x['host']:.3f} s", f"{x['wire']:.2f} s",
+          f"{x['sparse']:.2f} s", f"{x['dense']:.2f} s", f"{x['dense'] / x['sparse']:.1f}x"]
+         for x in r["packed_estimate"]])
   if r.get("estimate"):
     est = r["estimate"]
     v["estimate_basis"] = lambda: (
