@@ -66,13 +66,12 @@ def host_prefix(x: jax.Array, n: int) -> np.ndarray:
   return np.asarray(_prefix(x, size))[:n]
 
 
-def _on_one_device(tree):
-  """``tree``'s arrays whole on one device (the first of its first array's), where a chunk's
-  packing runs once: the slots of a leaf the trainer splits into blocks are small (a few per
-  cent of the leaf), and the packed words cross to the host from there."""
+def _replicated(tree):
+  """``tree``'s arrays whole on each of their devices: the slots of a leaf the trainer splits
+  into blocks are laid out like it (they are small: a few per cent of the leaf)."""
   leaves, treedef = jax.tree.flatten(tree)
-  device = staging_device(replicated_on(leaves[0]))
-  return jax.tree.unflatten(treedef, jax.device_put(leaves, device))
+  return jax.tree.unflatten(treedef,
+                            replicated_copies(leaves, [replicated_on(x) for x in leaves]))
 
 
 def segment_modes(plan: Plan, counts: np.ndarray, overflow: np.ndarray, full: bool,
@@ -108,7 +107,7 @@ def pack_chunks(plan: Plan, changes: DeviceChanges, full: bool, ranked: bool) ->
     keys = tuple(changes.ranks[s] if modes[s] == Mode.BY_RANK else changes.delta.indices[s]
                  for s in ids)
     block_counts = tuple(changes.block_counts[s] if changes.block_counts else None for s in ids)
-    inputs = _on_one_device((keys, tuple(changes.delta.values[s] for s in ids),
+    inputs = _replicated((keys, tuple(changes.delta.values[s] for s in ids),
                           tuple(changes.old_values[s] for s in ids), block_counts))
     launched.append(device_codes.pack_program(c.plan, ranked, *inputs[:3],
                                               counts[ids].astype(np.int32), inputs[3]))
