@@ -147,10 +147,11 @@ class Plan:
   leaves: tuple[LeafSpec, ...]
   segments: tuple[Segment, ...]
   bucket_size: int
+  view: Any = None  # a RolloutView (quantized rollouts) or None
 
   @functools.cached_property
   def _hash(self) -> int:
-    return hash((self.treedef, self.leaves, self.segments, self.bucket_size))
+    return hash((self.treedef, self.leaves, self.segments, self.bucket_size, self.view))
 
   def __hash__(self) -> int:
     return self._hash
@@ -169,7 +170,9 @@ class Plan:
     refuses them."""
     leaves = [(l.path, l.shape, str(l.dtype), str(l.rollout_dtype),
                l.layout.parts if l.layout else None) for l in self.leaves]
-    description = repr((str(self.treedef), leaves, self.segments, self.bucket_size))
+    quantized = self.view.description() if self.view is not None else None
+    description = repr((str(self.treedef), leaves, self.segments, self.bucket_size)
+                       + ((quantized,) if quantized is not None else ()))
     return hashlib.blake2b(description.encode(), digest_size=16).digest()
 
   def __repr__(self) -> str:
@@ -221,9 +224,17 @@ class Plan:
       rollout_only: if true every leaf must have its rollout dtype; otherwise the trainer dtype
         or the rollout dtype are both accepted.
 
+    With a quantized rollout (``make_plan(..., quantize=...)``), a trainer tree (the structure
+    the plan was made from) is accepted where the trainer dtypes are: it is checked, then
+    quantized into the rollout's view (codes and scales), whose leaves are returned.
+
     Raises:
       PlanMismatchError: naming the first leaf whose structure, shape or dtype differs.
     """
+    if self.view is not None and not rollout_only and self.view.matches(tree):
+      source = Plan(self.view.treedef, self.view.leaves, (), self.bucket_size)
+      nodes = self.view.flat(source.flatten(tree, what=what))
+      return jax.tree.leaves(nodes)
     flat_with_path, treedef = jax.tree.flatten_with_path(tree)
     if treedef != self.treedef:
       raise PlanMismatchError(f"{what}: {self.structure_difference(tree)}")
@@ -425,7 +436,8 @@ def _capacity(name: str, fraction: Any, slots: Any, default: float) -> _Capacity
 
 def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: float | None = None,
               capacity_slots: int | None = None, pooled_capacity: float | None = None,
-              pooled_capacity_slots: int | None = None, bucket_size: int = 2**16) -> Plan:
+              pooled_capacity_slots: int | None = None, bucket_size: int = 2**16,
+              quantize: Any = None) -> Plan:
   """Builds the static plan that ``diff``, ``apply``, ``Sender`` and ``Receiver`` share.
 
   Args:
@@ -445,6 +457,12 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
       large matrices, and a pool is small, so the default carries every element.
     bucket_size: leaves smaller than this are pooled into shared segments of at most this size
       (and at most 32 leaves).
+    quantize: leaves the rollout holds quantized (see :mod:`jsparse.quantized`): a preset such
+      as ``jsparse.quantized.fp8_tiles()``, one ``Quantization`` / qwix ``HowToQuantize`` for
+      every floating leaf of 2+ dimensions, or a function ``(path, ShapeDtypeStruct) -> spec |
+      None``, where a spec may also be a jittable quantizer ``array -> (codes, scales)``. Each
+      such leaf becomes a node of codes and scales (a qwix ``QArray``) that syncs bit for bit;
+      ``rollout_dtype`` applies to the other leaves.
 
   Returns:
     A hashable :class:`Plan`.
@@ -471,6 +489,12 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
   if bucket_size > MAX_SEGMENT_ELEMENTS:
     raise ConfigError(f"bucket_size must be at most {MAX_SEGMENT_ELEMENTS} (int32 indices), got "
                       f"{bucket_size}")
+  view, exact = None, frozenset()
+  if quantize is not None:
+    from jsparse._src.quant.view import make_view  # qwix is imported for quantized plans only
+    view = make_view(tree, quantize)
+    tree = view.shapes()
+    exact = view.quantized_paths()  # codes and scales: held as the quantizer makes them
   flat_with_path, treedef = jax.tree.flatten_with_path(tree)
   leaves = []
   for path, value in flat_with_path:
@@ -482,7 +506,8 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
       value = np.asarray(value)
     # As JAX holds it: without x64, a numpy float64 leaf is float32 on device.
     struct = jax.ShapeDtypeStruct(tuple(np.shape(value)), _canonical(value.dtype))
-    target = _canonical(_resolve_rollout_dtype(rollout_dtype, name, struct))
+    target = _canonical(struct.dtype if name in exact else
+                        _resolve_rollout_dtype(rollout_dtype, name, struct))
     layout = Layout.of(getattr(value, "sharding", None), struct.shape)
     for label, d in (("dtype", struct.dtype), ("rollout dtype", target)):
       if not bits_lib.is_supported_dtype(d):
@@ -494,7 +519,7 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
           "indices); split it into several leaves")
     leaves.append(leaf)
   return Plan(treedef, tuple(leaves),
-              _segments(leaves, capacity, pooled_capacity, bucket_size), bucket_size)
+              _segments(leaves, capacity, pooled_capacity, bucket_size), bucket_size, view)
 
 
 def _segments(leaves: Sequence[LeafSpec], capacity: _Capacity, pooled_capacity: _Capacity,
