@@ -1,0 +1,339 @@
+"""Quantized rollouts (``make_plan(..., quantize=...)``): the receiver's codes and scales equal
+qwix's quantizer on the trainer's masters, bit for bit, every step and on every path (codings,
+overflow, anchors, meshes, parts, streams, checkpoints, resumed senders); bad specs are refused
+naming the leaf. The reference is always qwix's own ``quantize`` on the whole master."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
+from qwix._src.core import qarray as qa
+
+import jsparse
+from jsparse import quantized
+from jsparse._src.core.bits import to_bits
+from tests import strategies
+
+SHAPES = {"w": (256, 512), "emb": (128, 256), "stack": (2, 64, 128), "b": (512,)}
+F8 = jnp.float8_e4m3fn
+
+
+def masters(seed=0, specials=False):
+  rng = np.random.default_rng(seed)
+  tree = {k: (rng.normal(size=s) * 0.05).astype(np.float32) for k, s in SHAPES.items()}
+  if specials:
+    tree["emb"] = strategies.with_specials(rng, tree["emb"])
+  return tree
+
+
+def rl_step(tree, seed, lr=2e-3):
+  """An update of relative size ``lr`` (what an RL step does to fp32 masters)."""
+  rng = np.random.default_rng(100 + seed)
+  with np.errstate(all="ignore"):  # special values stay special
+    return {k: (np.asarray(v) * (1 + lr * rng.normal(size=v.shape))).astype(np.float32)
+            for k, v in tree.items()}
+
+
+def jolt(tree, seed=0):
+  """A large update: most codes change (scaling alone would not: codes are scale-invariant)."""
+  rng = np.random.default_rng(200 + seed)
+  with np.errstate(all="ignore"):
+    return {k: (v + 0.05 * rng.normal(size=v.shape)).astype(np.float32) for k, v in tree.items()}
+
+
+def qwix_quantize(master, how):
+  """The reference: qwix's quantizer under ``jax.jit``, as a rollout runs it. (Eager qwix may
+  differ by one ulp in the scale: under jit, XLA divides by the type's bound as a multiplication
+  by its reciprocal.)"""
+  return jax.jit(lambda m: qa.quantize(m, how))(jnp.asarray(master))
+
+
+# The presets' documented meaning for (in, out) kernels and (layers, in, out) stacks, written out
+# as qwix HowToQuantize: the test's own reading, not the library's.
+def expected_how(preset, shape):
+  lead = tuple(range(len(shape) - 2))
+  last, contraction = len(shape) - 1, len(shape) - 2
+  hows = {
+      "fp8 per tensor": dict(qtype=F8, channelwise_axes=lead),
+      "fp8 per channel": dict(qtype=F8, channelwise_axes=lead + (last,)),
+      "fp8 128x128 tiles": dict(qtype=F8, channelwise_axes=lead,
+                                tiled_axes={contraction: 128, last: 128}),
+      "mxfp8": dict(qtype="mxfp8", channelwise_axes=lead + (last,), tiled_axes={contraction: 32}),
+      "mxfp4": dict(qtype="mxfp4", channelwise_axes=lead + (last,), tiled_axes={contraction: 32}),
+      "nvfp4": dict(qtype="nvfp4", channelwise_axes=lead + (last,), tiled_axes={contraction: 16}),
+      "int8 per channel": dict(qtype=jnp.int8, channelwise_axes=lead + (last,)),
+      "int4 128 tiles": dict(qtype=jnp.int4, channelwise_axes=lead + (last,),
+                             tiled_axes={contraction: 128}),
+  }[preset]
+  tiles = hows.get("tiled_axes", {})
+  if len(shape) < 2 or any(shape[a] % t for a, t in tiles.items()):
+    return None
+  return qa.HowToQuantize(**hows)
+
+
+def code_bits(codes):
+  """Bit patterns of codes of any width (4-bit codes widened exactly first)."""
+  codes = jnp.asarray(codes)
+  if codes.dtype in (jnp.int4,):
+    codes = codes.astype(jnp.int8)
+  elif codes.dtype == jnp.float4_e2m1fn:
+    codes = codes.astype(jnp.float32)
+  return np.asarray(to_bits(codes))
+
+
+def assert_matches_qwix(held, master_tree, how_of, rollout_dtype=jnp.bfloat16):
+  """Every leaf of the receiver's tree ``held`` against qwix on ``master_tree``."""
+  held = quantized.unpack(held)
+  for name, master in master_tree.items():
+    how = how_of(name)
+    got = held[name]
+    if how is None:
+      want = jnp.asarray(master).astype(rollout_dtype if master.ndim else master.dtype)
+      np.testing.assert_array_equal(np.asarray(to_bits(got)), np.asarray(to_bits(want)), name)
+      continue
+    want = qwix_quantize(master, how)
+    assert isinstance(got, qa.QArray), name
+    np.testing.assert_array_equal(code_bits(got.qvalue), code_bits(want.qvalue), name)
+    np.testing.assert_array_equal(np.asarray(to_bits(got.scale)),
+                                  np.asarray(to_bits(want.scale)), name)
+    if want.zero_point is not None:
+      np.testing.assert_array_equal(code_bits(got.zero_point), code_bits(want.zero_point))
+
+
+def sync_steps(plan, tree, steps, *, coding="ranked", check):
+  sender = jsparse.Sender(plan, tree, coding=coding)
+  receiver = jsparse.Receiver(plan, plan.cast(tree))
+  for i, new in enumerate(steps):
+    receiver.receive(sender.send(new))
+    check(receiver.params, new)
+    assert receiver.version == i + 1
+  return sender
+
+
+@pytest.mark.parametrize("preset", list(quantized.PRESETS))
+def test_presets_sync_the_qwix_codes_and_scales_every_step(preset):
+  tree = masters(1, specials=True)
+  steps = [rl_step(tree, 0)]
+  steps += [rl_step(steps[-1], 1), jolt(steps[-1])]  # most codes change: overflow
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, capacity=0.05,
+                           quantize=quantized.PRESETS[preset]())
+  quantized_paths = {l.path.split("]")[0] + "]" for l in plan.leaves if "." in l.path}
+  assert quantized_paths == {f"['{k}']" for k, s in SHAPES.items()
+                             if expected_how(preset, s) is not None}
+  check = lambda held, new: assert_matches_qwix(  # noqa: E731
+      held, new, lambda k: expected_how(preset, SHAPES[k]))
+  sender = sync_steps(plan, tree, steps, check=check)
+  assert sender.last_stats.overflowed_segments > 0  # the jolt overflows: dense, exact
+
+
+@pytest.mark.parametrize("coding", ["lists", "positioned", "packed", "packed-positioned"])
+def test_every_coding_carries_quantized_leaves(coding):
+  tree = masters(2)
+  steps = [rl_step(tree, 0), rl_step(rl_step(tree, 0), 1)]
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, quantize=quantized.mxfp4())
+  sync_steps(plan, tree, steps, coding=coding, check=lambda held, new: assert_matches_qwix(
+      held, new, lambda k: expected_how("mxfp4", SHAPES[k])))
+
+
+def test_codes_change_rarely_under_rl_steps_and_scales_travel_small():
+  """Why it is sparse: a code flips only when its value crosses a rounding boundary."""
+  tree = masters(3)
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, quantize=quantized.fp8_tiles())
+  sender = jsparse.Sender(plan, tree)
+  new = rl_step(tree, 0, lr=1e-4)
+  sender.send(new)
+  stats = sender.last_stats
+  assert 0 < stats.changed < 0.05 * stats.elements
+  assert stats.payload_bytes < 0.1 * stats.dense_bytes
+
+
+@settings(max_examples=12)
+@given(qtype=st.sampled_from(["float8_e4m3fn", "float8_e5m2", "int8", "int4", "mxfp8", "nvfp4"]),
+       rows=st.sampled_from([32, 64, 96]), cols=st.sampled_from([32, 48, 64]),
+       tile_rows=st.sampled_from([None, 16, 32]), per_channel=st.booleans(),
+       scale_dtype=st.sampled_from([None, jnp.bfloat16]), seed=st.integers(0, 2**16))
+def test_random_specs_are_exact(qtype, rows, cols, tile_rows, per_channel, scale_dtype, seed):
+  if qtype in ("mxfp8", "nvfp4"):
+    tile_rows = 32 if qtype == "mxfp8" else 16
+  if tile_rows and rows % tile_rows:
+    tile_rows = None if qtype not in ("mxfp8", "nvfp4") else tile_rows
+  if tile_rows and rows % tile_rows:
+    return
+  how = qa.HowToQuantize(qtype=qtype if qtype in ("mxfp8", "nvfp4") else jnp.dtype(qtype),
+                         channelwise_axes=(1,) if per_channel else (),
+                         tiled_axes={0: tile_rows} if tile_rows else {})
+  rng = np.random.default_rng(seed)
+  tree = {"w": strategies.with_specials(rng, rng.normal(size=(rows, cols)).astype(np.float32)),
+          "b": rng.normal(size=cols).astype(np.float32)}
+  spec = quantized.Quantization.of(how, scale_dtype=scale_dtype)
+  plan = jsparse.make_plan(tree, capacity=0.1, quantize=lambda path, s: spec if s.ndim == 2
+                           else None)
+
+  def check(held, new):
+    want = qwix_quantize(new["w"], how)
+    if scale_dtype is not None:
+      want = qa.QArray(want.qvalue, want.scale.astype(scale_dtype), None, want.qtype)
+    got = quantized.unpack(held)["w"]
+    np.testing.assert_array_equal(code_bits(got.qvalue), code_bits(want.qvalue))
+    np.testing.assert_array_equal(np.asarray(to_bits(got.scale)), np.asarray(to_bits(want.scale)))
+
+  steps = [rl_step(tree, seed), strategies_perturb(rng, tree, 0.3)]
+  sync_steps(plan, tree, steps, check=check)
+
+
+def strategies_perturb(rng, tree, density):
+  return {k: strategies.perturb(rng, v, density) for k, v in tree.items()}
+
+
+# --- meshes ------------------------------------------------------------------------------------
+
+def _mesh(shape, names):
+  n = int(np.prod(shape))
+  return jax.make_mesh(shape, names, devices=jax.devices()[:n])
+
+
+@pytest.mark.parametrize("preset", ["fp8 per tensor", "fp8 128x128 tiles", "mxfp8",
+                                    "int8 per channel", "int4 128 tiles"])
+def test_sharded_trainer_quantizes_its_blocks_with_qwix_bits(preset):
+  """The trainer splits w over 2x4 devices (per-tensor scales: a pmax across them); the rollout
+  holds codes split over 8 devices another way; the bits are qwix's on the whole master."""
+  trainer, rollout = _mesh((2, 4), ("data", "model")), _mesh((8,), ("x",))
+  specs = {"w": P("data", "model"), "emb": P(None, "data"), "stack": P(None, "data", None)}
+
+  def place(tree):
+    return {k: jax.device_put(v, NamedSharding(trainer, specs.get(k, P())))
+            for k, v in tree.items()}
+
+  tree = masters(4, specials=True)
+  plan = jsparse.make_plan(place(tree), rollout_dtype=jnp.bfloat16,
+                           quantize=quantized.PRESETS[preset]())
+  shardings = jax.tree.map(
+      lambda s: NamedSharding(rollout, P("x") if s.ndim and s.shape[0] % 8 == 0 else P()),
+      plan.rollout_shapes())
+  sender = jsparse.Sender(plan, place(tree))
+  receiver = jsparse.Receiver(plan, jax.device_put(plan.cast(place(tree)), shardings))
+  steps = [rl_step(tree, 0), jolt(tree), rl_step(tree, 2)]
+  for new in steps:
+    held = receiver.receive(sender.send(place(new)))
+    assert_matches_qwix(held, new, lambda k: expected_how(preset, SHAPES[k]))
+    for leaf, s in zip(jax.tree.leaves(held), jax.tree.leaves(shardings)):
+      assert leaf.sharding.is_equivalent_to(s, leaf.ndim)
+
+
+def test_a_tile_split_across_devices_is_refused_naming_the_leaf_and_tile():
+  mesh = _mesh((4,), ("x",))
+  tree = {"w": jax.device_put(jnp.zeros((256, 128)), NamedSharding(mesh, P("x", None)))}
+  with pytest.raises(jsparse.ConfigError, match=r"\['w'\].*tile of 128 along axis 0.*64"):
+    jsparse.make_plan(tree, quantize=quantized.fp8_tiles(128))
+
+
+# --- parts, streams, checkpoints, resumed senders ----------------------------------------------
+
+@pytest.mark.parametrize("coding", ["ranked", "packed"])
+def test_parts_and_streams_carry_quantized_leaves(coding):
+  mesh = _mesh((4,), ("x",))
+
+  def place(tree):
+    return {k: jax.device_put(v, NamedSharding(mesh, P("x") if v.ndim >= 2 else P()))
+            for k, v in tree.items()}
+
+  tree = masters(5)
+  plan = jsparse.make_plan(place(tree), rollout_dtype=jnp.bfloat16, bucket_size=4096,
+                           quantize=quantized.int4_tiles(64))
+  def how(k):  # int4 tiles of 64 inputs, a scale per output channel (and layer)
+    n = len(SHAPES[k])
+    return qa.HowToQuantize(qtype=jnp.int4, channelwise_axes=tuple(range(n - 2)) + (n - 1,),
+                            tiled_axes={n - 2: 64}) if n >= 2 else None
+
+  sender = jsparse.Sender(plan, place(tree), coding=coding)
+  receiver = jsparse.Receiver(plan, plan.cast(place(tree)))
+  new = rl_step(tree, 0)
+  assert_matches_qwix(receiver.receive_parts([sender.send_part(place(new))]), new, how)
+  for new in (rl_step(new, 1), {k: -v for k, v in new.items()}):
+    stream = receiver.open_stream()
+    for part in sender.send_stream(place(new), chunk_bytes=2000):
+      stream.add(part)
+    assert_matches_qwix(stream.commit(), new, how)
+
+
+@pytest.mark.parametrize("coding", ["positioned", "packed"])
+def test_checkpoint_chains_and_resumed_senders(tmp_path, coding):
+  tree = masters(6)
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, quantize=quantized.fp8_per_channel())
+  how = lambda k: expected_how("fp8 per channel", SHAPES[k])  # noqa: E731
+  states = [tree]
+  for i in range(4):
+    states.append(rl_step(states[-1], i))
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, rebase_every=3, coding=coding) as chain:
+    for step, state in enumerate(states):
+      chain.save(step, state)
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, coding=coding) as chain:
+    for step, state in enumerate(states):
+      assert_matches_qwix(chain.restore(step), state, how)
+
+  sender = jsparse.Sender(plan, tree)
+  receiver = jsparse.Receiver(plan, plan.cast(tree))
+  receiver.receive(sender.send(states[1]))
+  resumed = jsparse.Sender.restore(plan, sender.state())
+  assert_matches_qwix(receiver.receive(resumed.send(states[2])), states[2], how)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def test_bad_specs_are_refused_naming_the_leaf():
+  tree = {"w": jnp.zeros((96, 64)), "v": jnp.zeros((64, 33))}
+  with pytest.raises(jsparse.ConfigError, match=r"\['w'\].*tile size 128 does not divide"):
+    jsparse.make_plan(tree, quantize=lambda p, s: qa.HowToQuantize(qtype=F8, tiled_axes={0: 128}))
+  with pytest.raises(jsparse.ConfigError, match="unsupported qtype 'nf4'"):
+    jsparse.make_plan(tree, quantize=qa.HowToQuantize(qtype="nf4"))
+  with pytest.raises(jsparse.ConfigError, match=r"\['v'\].*last axis, which must be even"):
+    jsparse.make_plan(tree, quantize=quantized.Quantization("int4"))
+  with pytest.raises(jsparse.ConfigError, match=r"\['w'\].*axis 2 out of range"):
+    jsparse.make_plan(tree, quantize=quantized.Quantization("int8", channelwise_axes=(2,)))
+  with pytest.raises(jsparse.ConfigError, match="noise_fn"):
+    jsparse.make_plan(tree, quantize=qa.HowToQuantize(qtype=F8, noise_fn=lambda shape: 0.0))
+
+
+def test_user_quantizers_work_and_bad_ones_are_refused():
+  tree = {"w": masters(7)["w"]}
+
+  def absmax_int8(x):  # a user quantizer: array -> (codes, scales)
+    scale = jnp.max(jnp.abs(x), axis=0, keepdims=True) / 127
+    return jnp.round(x / scale).astype(jnp.int8), scale
+
+  plan = jsparse.make_plan(tree, quantize=absmax_int8)
+  sender = jsparse.Sender(plan, tree)
+  receiver = jsparse.Receiver(plan, plan.cast(tree))
+  new = rl_step(tree, 0)
+  codes, scale = receiver.receive(sender.send(new))["w"]
+  want_codes, want_scale = jax.jit(absmax_int8)(new["w"])
+  np.testing.assert_array_equal(np.asarray(codes), np.asarray(want_codes))
+  np.testing.assert_array_equal(np.asarray(to_bits(scale)), np.asarray(to_bits(want_scale)))
+
+  def not_jittable(x):
+    return jnp.asarray(np.asarray(x) > 0, jnp.int8)
+
+  counter = iter(range(10**6))
+
+  def not_deterministic(x):  # a constant baked in at trace time, other on each trace
+    return (x * next(counter)).astype(jnp.int8)
+
+  def four_bit(x):
+    return x.astype(jnp.int4)
+
+  for fn, message in ((not_jittable, "does not trace under jax.jit"),
+                      (not_deterministic, "other bits on a second run"),
+                      (four_bit, "returns int4")):
+    with pytest.raises(jsparse.ConfigError, match=rf"\['w'\].*{message}"):
+      jsparse.make_plan(tree, quantize=fn)
+
+
+def test_quantized_plans_fingerprint_their_quantization():
+  tree = masters(8)
+  a = jsparse.make_plan(tree, quantize=quantized.fp8_tiles())
+  b = jsparse.make_plan(tree, quantize=quantized.fp8_tiles(qtype="float8_e5m2"))
+  c = jsparse.make_plan(tree, quantize=quantized.fp8_tiles())
+  assert a.fingerprint != b.fingerprint and a.fingerprint == c.fingerprint
+  assert a != jsparse.make_plan(tree)
