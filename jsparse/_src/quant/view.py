@@ -170,7 +170,12 @@ def _spec_for(quantize: QuantizeOption, leaf: LeafSpec) -> Quantization | Callab
   if spec is None:
     return None
   if _is_how(spec) or isinstance(spec, Quantization):
-    return Quantization.of(spec).for_leaf(leaf.path, leaf.shape, leaf.dtype, leaf.layout)
+    try:
+      return Quantization.of(spec).for_leaf(leaf.path, leaf.shape, leaf.dtype, leaf.layout)
+    except ConfigError as e:
+      if str(e).startswith("leaf "):
+        raise
+      raise ConfigError(f"leaf {leaf.path}: {e}") from None
   if callable(spec):
     return spec
   raise ConfigError(f"leaf {leaf.path}: quantize gave {spec!r}; expected a "
