@@ -26,9 +26,9 @@ from __future__ import annotations
 import jax
 
 from jsparse._src.pytree import PyTree
-from jsparse._src.quant.presets import (PRESETS, Rule, fp8_per_channel, fp8_per_tensor, fp8_tiles,
+from jsparse._src.quant.presets import (PRESETS, fp8_per_channel, fp8_per_tensor, fp8_tiles,
                                         int4_tiles, int8_per_channel, mxfp4, mxfp8, nvfp4)
-from jsparse._src.quant.spec import QTYPES, PackedQArray, QArray, Quantization
+from jsparse._src.quant.spec import QTYPES, PackedQArray, Quantization
 
 
 def unpack(tree: PyTree) -> PyTree:
@@ -45,7 +45,7 @@ def unpack(tree: PyTree) -> PyTree:
 
 
 __all__ = [
-    "PRESETS", "PackedQArray", "QArray", "QTYPES", "Quantization", "Rule", "fp8_per_channel",
+    "PRESETS", "PackedQArray", "QTYPES", "Quantization", "fp8_per_channel",
     "fp8_per_tensor", "fp8_tiles", "int4_tiles", "int8_per_channel", "mxfp4", "mxfp8", "nvfp4",
     "unpack",
 ]

@@ -29,9 +29,9 @@ def test_layout_lists_every_module_and_only_existing_ones():
 
 def test_every_public_entry_point_has_a_runnable_example():
   import jsparse
-  from jsparse import engine, tunix
+  from jsparse import engine, quantized, tunix
   missing = []
-  for module in (jsparse, engine, tunix):
+  for module in (jsparse, engine, quantized, tunix):
     names = [name for name in module.__all__ if callable(getattr(module, name)) and (
         not isinstance(getattr(module, name), type)
         or not issubclass(getattr(module, name), Exception))]

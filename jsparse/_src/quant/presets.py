@@ -52,43 +52,85 @@ def _rule(qtype: str, *, tiles: dict[int, int] | None = None, per_channel: bool 
 
 
 def fp8_per_tensor(qtype: str = "float8_e4m3fn", *, scale_dtype: Any = None) -> Rule:
-  """FP8 with one scale per matrix (per layer of a stacked kernel)."""
+  """FP8 with one scale per matrix (per layer of a stacked kernel).
+
+  >>> import jax, jax.numpy as jnp
+  >>> fp8_per_tensor()("['w']", jax.ShapeDtypeStruct((4, 64, 32), jnp.float32)).channelwise_axes
+  (0,)
+  """
   return _rule(qtype, scale_dtype=scale_dtype)
 
 
 def fp8_per_channel(qtype: str = "float8_e4m3fn", *, scale_dtype: Any = None) -> Rule:
-  """FP8 with one scale per output channel."""
+  """FP8 with one scale per output channel.
+
+  >>> import jax, jax.numpy as jnp
+  >>> fp8_per_channel()("['w']", jax.ShapeDtypeStruct((64, 32), jnp.float32)).channelwise_axes
+  (1,)
+  """
   return _rule(qtype, per_channel=True, scale_dtype=scale_dtype)
 
 
 def fp8_tiles(tile: int = 128, qtype: str = "float8_e4m3fn", *, scale_dtype: Any = None) -> Rule:
-  """FP8 with one scale per ``tile x tile`` block (DeepSeek-V3 style 128x128)."""
+  """FP8 with one scale per ``tile x tile`` block (DeepSeek-V3 style 128x128).
+
+  >>> import jax, jax.numpy as jnp
+  >>> fp8_tiles(64)("['w']", jax.ShapeDtypeStruct((128, 64), jnp.float32)).tiled_axes
+  ((0, 64), (1, 64))
+  """
   return _rule(qtype, tiles={-2: tile, -1: tile}, scale_dtype=scale_dtype)
 
 
 def mxfp8(*, scale_dtype: Any = None) -> Rule:
-  """MXFP8: e4m3 codes, a power-of-two scale per 32 inputs of each output channel."""
+  """MXFP8: e4m3 codes, a power-of-two scale per 32 inputs of each output channel.
+
+  >>> import jax, jax.numpy as jnp
+  >>> q = mxfp8()("['w']", jax.ShapeDtypeStruct((64, 16), jnp.float32))
+  >>> q.qtype, q.tiled_axes, q.channelwise_axes
+  ('mxfp8', ((0, 32),), (1,))
+  """
   return _rule("mxfp8", tiles={-2: 32}, per_channel=True, scale_dtype=scale_dtype)
 
 
 def mxfp4(*, scale_dtype: Any = None) -> Rule:
-  """MXFP4: e2m1 codes (two to a byte), a power-of-two scale per 32 inputs of each channel."""
+  """MXFP4: e2m1 codes (two to a byte), a power-of-two scale per 32 inputs of each channel.
+
+  >>> import jax, jax.numpy as jnp
+  >>> mxfp4()("['w']", jax.ShapeDtypeStruct((64, 16), jnp.float32)).packed
+  True
+  """
   return _rule("mxfp4", tiles={-2: 32}, per_channel=True, scale_dtype=scale_dtype)
 
 
 def nvfp4(*, scale_dtype: Any = None) -> Rule:
-  """NVFP4: e2m1 codes (two to a byte), an e4m3-valued scale per 16 inputs of each channel."""
+  """NVFP4: e2m1 codes (two to a byte), an e4m3-valued scale per 16 inputs of each channel.
+
+  >>> import jax, jax.numpy as jnp
+  >>> nvfp4()("['w']", jax.ShapeDtypeStruct((64, 16), jnp.float32)).tiled_axes
+  ((0, 16),)
+  """
   return _rule("nvfp4", tiles={-2: 16}, per_channel=True, scale_dtype=scale_dtype)
 
 
 def int8_per_channel(*, scale_dtype: Any = None, calibration_method: str = "absmax") -> Rule:
-  """INT8 with one scale per output channel (``calibration_method="minmax"`` adds zero points)."""
+  """INT8 with one scale per output channel (``calibration_method="minmax"`` adds zero
+  points).
+
+  >>> import jax, jax.numpy as jnp
+  >>> int8_per_channel()("['b']", jax.ShapeDtypeStruct((16,), jnp.float32)) is None  # a vector
+  True
+  """
   return _rule("int8", per_channel=True, scale_dtype=scale_dtype,
                calibration_method=calibration_method)
 
 
 def int4_tiles(tile: int = 128, *, scale_dtype: Any = None) -> Rule:
-  """INT4 (two to a byte) with one scale per ``tile`` inputs of each output channel."""
+  """INT4 (two to a byte) with one scale per ``tile`` inputs of each output channel.
+
+  >>> import jax, jax.numpy as jnp
+  >>> int4_tiles(32)("['w']", jax.ShapeDtypeStruct((64, 16), jnp.float32)).tiled_axes
+  ((0, 32),)
+  """
   return _rule("int4", tiles={-2: tile}, per_channel=True, scale_dtype=scale_dtype)
 
 

@@ -103,7 +103,15 @@ class Quantization:
 
   The axes of a spec are resolved against a leaf's shape by :meth:`for_leaf` (negative axes,
   ``1 / tile_count`` tile sizes); the rollout's target is exactly
-  ``qwix.quantize(master, how)`` (then ``scale.astype(scale_dtype)``).
+  ``qwix.quantize(master, how)`` (then ``scale.astype(scale_dtype)``), run under ``jax.jit``
+  (eager qwix may differ by one ulp in the scale: under jit, XLA divides by the type's bound as
+  a multiplication by its reciprocal).
+
+  >>> import jax.numpy as jnp
+  >>> q = Quantization(jnp.int8, channelwise_axes=(-1,)).for_leaf("['w']", (4, 6),
+  ...                                                             jnp.dtype("float32"), None)
+  >>> q.qtype, q.channelwise_axes, q.quantize(jnp.ones((4, 6))).scale.shape
+  ('int8', (1,), (1, 6))
   """
 
   qtype: Any

@@ -27,7 +27,6 @@ import functools
 from typing import NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jsparse._src.core import bitpack
@@ -64,6 +63,16 @@ def host_prefix(x: jax.Array, n: int) -> np.ndarray:
   if size >= x.shape[0]:
     return np.asarray(x)[:n]
   return np.asarray(_prefix(x, size))[:n]
+
+
+def used_streams(outputs: tuple, keys: int, codes: int) -> tuple[np.ndarray, ...]:
+  """The used words of a ``pack_program``'s four streams (key widths, key words, code widths,
+  code words), copied to the host; ``keys`` and ``codes``: how many it packed."""
+  key_widths, key_words, key_used, code_widths, code_words, code_used = outputs
+  return (host_prefix(key_widths, bitpack.num_blocks(keys)),
+          host_prefix(key_words, int(key_used)),
+          host_prefix(code_widths, bitpack.num_blocks(codes)),
+          host_prefix(code_words, int(code_used)))
 
 
 def _replicated(tree):
@@ -123,14 +132,9 @@ def collect_body(plan: Plan, packing: Packing, changes: DeviceChanges, snapshot:
       streams.append(None)
       continue
     ids = list(c.segment_ids)
-    key_widths, key_words, key_used, code_widths, code_words, code_used = out
-    n_keys = int(counts[ids].sum())
     n_codes = sum(int(counts[s]) * device_codes.values_per_change(plan.segments[s])
                   for s in ids)
-    streams.append((host_prefix(key_widths, bitpack.num_blocks(n_keys)),
-                    host_prefix(key_words, int(key_used)),
-                    host_prefix(code_widths, bitpack.num_blocks(n_codes)),
-                    host_prefix(code_words, int(code_used))))
+    streams.append(used_streams(out, int(counts[ids].sum()), n_codes))
   block_counts = {s: local_value(changes.block_counts[s]) for s in np.flatnonzero(counts)
                   if plan.segments[s].blocks > 1}
   return packed.encode_body(plan, packing.modes, counts, block_counts, streams,

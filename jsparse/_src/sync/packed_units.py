@@ -32,11 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse._src.core import bitpack
 from jsparse._src.core.chunks import sub_plan
 from jsparse._src.core.plan import Plan
 from jsparse._src.core.units import Unit, local_value, owned_slots, unit_slot
-from jsparse._src.sync.packed_stage import host_prefix, on_device
+from jsparse._src.sync.packed_stage import on_device, used_streams
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
 from jsparse._src.wire import device_codes
@@ -129,12 +128,7 @@ class _Launched:
 
   def record(self) -> PackedRecord:
     """The unit's record: the used words of its streams, copied to the host."""
-    key_widths, key_words, key_used, code_widths, code_words, code_used = self.outputs
-    return PackedRecord(self.mode, self.count, (
-        host_prefix(key_widths, bitpack.num_blocks(self.count)),
-        host_prefix(key_words, int(key_used)),
-        host_prefix(code_widths, bitpack.num_blocks(self.codes)),
-        host_prefix(code_words, int(code_used))))
+    return PackedRecord(self.mode, self.count, used_streams(self.outputs, self.count, self.codes))
 
 
 def _launch(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
