@@ -190,6 +190,23 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
         f"{_gbit(g)} Gbit/s: {min(methods, key=lambda n: e2e(methods[n], g))}"
         for g in LINKS_GBIT)
 
+  if "quantized" in r:
+    q = r["quantized"]
+    step, bf16 = q["step"], q["rows"]["bf16"]
+    at = lambda row: row["steps"][step - 1]  # noqa: E731
+    v["quantized_step"] = lambda: (
+        f"step {step}: {_pct(at(bf16)['changed'] / bf16['elements'])} of the bf16 elements "
+        f"change, {_n(at(bf16)['bytes'])} B sparse, synced in {_ms(bf16['sync_seconds'])} ms")
+    v["quantized_table"] = lambda: _rows(
+        ["preset", "codes changed", "scales changed", "scale B", "payload B", "B/change",
+         "dense quantized B", "x dense quantized", "x bf16 sparse", "sync ms"],
+        [[name, _pct(at(x)["codes_changed"] / max(1, x["codes"])),
+          _pct(at(x)["scales_changed"] / max(1, x["scales"]), 1), _n(x["scale_bytes"]),
+          _n(at(x)["bytes"]), f"{at(x)['bytes'] / max(1, at(x)['changed']):.2f}",
+          _n(x["dense_bytes"]), f"{x['dense_bytes'] / at(x)['bytes']:.0f}x",
+          f"{at(bf16)['bytes'] / at(x)['bytes']:.1f}x", _ms(x["sync_seconds"])]
+         for name, x in q["rows"].items() if name != "bf16"])
+
   if "storage" in r:
     full, chain = r["storage"]["full"], r["storage"]["delta chain"]
     v["storage_table"] = lambda: _rows(

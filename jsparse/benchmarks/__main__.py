@@ -11,7 +11,10 @@ against the number of leaves, time per parameter and peak memory from 25M to 1B 
 an estimate for 7B and 70B models from this run's rates (``--only scale``; the estimate needs
 the sync part's rates, so ``--only scale`` runs that too); the peak host memory of a sync
 against its payload (``--only memory``); bytes and seconds per sync in Tunix's
-GRPO loop, jsparse against Tunix's dense sync (``--only tunix``, needs ``jsparse[tunix]``).
+GRPO loop, jsparse against Tunix's dense sync (``--only tunix``, needs ``jsparse[tunix]``); per
+quantized-rollout preset (FP8, MX, INT8, INT4), the codes and scales a step changes, payload bytes
+against dense quantized weights and bf16 sparse, and sync times (``--only quantized``, needs
+``jsparse[quantized]``).
 
 ``--quick`` is a reduced run (a small TinyLM, fewer steps and repeats, small leaf counts and
 scaling points, no Tunix part) that finishes in a couple of minutes on a laptop-class CPU.
@@ -41,7 +44,7 @@ FULL = dict(dim=512, depth=6, vocab=8192, steps=8, pretrain_steps=300, repeats=5
 QUICK = dict(dim=128, depth=1, vocab=1024, steps=4, pretrain_steps=30, repeats=2,
              leaf_counts=[8], threads=[1, 2], scale_params=[3_000_000, 6_000_000],
              scale_width=512, scale_stages=False, device_params=3_000_000)
-PARTS = ("sync", "storage", "link", "scale", "memory", "tunix", "device")
+PARTS = ("sync", "storage", "link", "scale", "memory", "quantized", "tunix", "device")
 SCHEMA = 1  # the JSON file's layout version
 
 
@@ -178,6 +181,8 @@ def _tables(args: argparse.Namespace) -> list[str]:
     names += [f"compile {n} leaves" for n in args.leaf_counts]
   if only in (None, "scale", "memory"):
     names.append("host_memory")
+  if only in (None, "quantized"):
+    names.append("quantized")
   if only is None and not args.quick:
     names.append("tunix")
   return names
@@ -321,6 +326,13 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
               else sync.one_percent_step(sync.per_step_sizes(plan, states)))
       results["host_memory"] = scale.host_memory(plan, states[step - 1], states[step])
       scale.print_host_memory(results["host_memory"])
+  if args.only in (None, "quantized"):
+    from jsparse.benchmarks import quantized
+    with table("quantized"):
+      step = (results["sync"]["step"] if "sync" in results
+              else sync.one_percent_step(sync.per_step_sizes(plan, states)))
+      results["quantized"] = quantized.preset_rows(states, step, repeats=args.repeats)
+      quantized.print_presets(results["quantized"])
   if args.only is None and not args.quick:
     with table("tunix"):
       results["tunix"] = tunix_loop.tunix_syncs()
