@@ -102,11 +102,12 @@ def assert_matches_qwix(held, master_tree, how_of, rollout_dtype=jnp.bfloat16):
       np.testing.assert_array_equal(code_bits(got.zero_point), code_bits(want.zero_point))
 
 
-def sync_steps(plan, tree, steps, *, coding="ranked", check):
-  sender = jsparse.Sender(plan, tree, coding=coding)
+def sync_steps(plan, tree, steps, *, coding="ranked", check, anchor_every=None):
+  sender = jsparse.Sender(plan, tree, coding=coding, anchor_every=anchor_every)
   receiver = jsparse.Receiver(plan, plan.cast(tree))
   for i, new in enumerate(steps):
     receiver.receive(sender.send(new))
+    assert sender.last_stats.anchor == (anchor_every is not None and (i + 1) % anchor_every == 0)
     check(receiver.params, new)
     assert receiver.version == i + 1
   return sender
@@ -131,10 +132,12 @@ def test_presets_sync_the_qwix_codes_and_scales_every_step(preset):
 @pytest.mark.parametrize("coding", ["lists", "positioned", "packed", "packed-positioned"])
 def test_every_coding_carries_quantized_leaves(coding):
   tree = masters(2)
-  steps = [rl_step(tree, 0), rl_step(rl_step(tree, 0), 1)]
+  steps = [rl_step(tree, 0)]
+  steps += [rl_step(steps[-1], 1), rl_step(steps[-1], 2)]
   plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, quantize=quantized.mxfp4())
-  sync_steps(plan, tree, steps, coding=coding, check=lambda held, new: assert_matches_qwix(
-      held, new, lambda k: expected_how("mxfp4", SHAPES[k])))
+  sync_steps(plan, tree, steps, coding=coding, anchor_every=2,  # version 2 is an anchor
+             check=lambda held, new: assert_matches_qwix(
+                 held, new, lambda k: expected_how("mxfp4", SHAPES[k])))
 
 
 def test_codes_change_rarely_under_rl_steps_and_scales_travel_small():
@@ -279,6 +282,24 @@ def test_checkpoint_chains_and_resumed_senders(tmp_path, coding):
   receiver.receive(sender.send(states[1]))
   resumed = jsparse.Sender.restore(plan, sender.state())
   assert_matches_qwix(receiver.receive(resumed.send(states[2])), states[2], how)
+
+
+def test_a_feed_carries_quantized_versions_to_a_lagging_rollout(tmp_path):
+  from jsparse.engine import DirectoryFeed, Publisher, Subscriber
+  tree = masters(9)
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, quantize=quantized.mxfp8())
+  feed = DirectoryFeed(tmp_path / "feed")
+  publisher = Publisher(jsparse.Sender(plan, tree), feed, anchor_every=3, keep=2)
+  subscriber = Subscriber(jsparse.Receiver(plan, plan.cast(tree)), feed)
+  states = [tree]
+  for step in range(5):
+    states.append(rl_step(states[-1], step))
+    publisher.publish(states[-1])
+    if step in (0, 4):  # lags 4 versions in between: catches up through an anchor
+      subscriber.poll()
+      assert_matches_qwix(subscriber.params, states[-1],
+                          lambda k: expected_how("mxfp8", SHAPES[k]))
+  assert subscriber.version == 5 and subscriber.stats.anchors >= 1
 
 
 # --- bad input -----------------------------------------------------------------------------------
