@@ -205,14 +205,19 @@ def owned_block_data(layout: Layout, x: jax.Array, blocks: Sequence[int]) -> np.
   return np.concatenate([np.asarray(found[b].data).reshape(-1) for b in blocks])
 
 
-def owned_slots(x: jax.Array, capacity: int, blocks: Sequence[int]) -> np.ndarray:
-  """The per-block slots ``[blocks * capacity]`` of a diff output ``x`` for the listed blocks
-  (held by this process), laid end to end."""
+def block_slots(x: jax.Array, capacity: int, blocks: Sequence[int]) -> list[jax.Array]:
+  """The slots of each listed block (held by this process) of a per-block diff output ``x``
+  (``[blocks * capacity]``), as the device arrays that hold them."""
   found = {}
   for shard in x.addressable_shards:
     start = _box_of(shard.index, x.shape)[0][0]
     found.setdefault(start // capacity, shard)
-  return np.concatenate([np.asarray(found[b].data).reshape(-1) for b in blocks])
+  return [found[b].data for b in blocks]
+
+
+def owned_slots(x: jax.Array, capacity: int, blocks: Sequence[int]) -> np.ndarray:
+  """The listed blocks' slots (:func:`block_slots`) on the host, laid end to end."""
+  return np.concatenate([np.asarray(d).reshape(-1) for d in block_slots(x, capacity, blocks)])
 
 
 def local_value(x: jax.Array) -> np.ndarray:

@@ -34,7 +34,7 @@ import numpy as np
 
 from jsparse._src.core.chunks import sub_plan
 from jsparse._src.core.plan import Plan
-from jsparse._src.core.units import Unit, local_value, owned_slots, unit_slot
+from jsparse._src.core.units import Unit, block_slots, local_value, owned_slots, unit_slot
 from jsparse._src.sync.packed_stage import on_device, used_streams
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
@@ -65,12 +65,9 @@ def _single_device(x: jax.Array) -> jax.Array:
 
 
 def _block_shards(x: jax.Array, per_block: int, blocks: Sequence[int], device=None) -> list:
-  """The slots of each listed block of a per-block diff output (``[blocks * per_block]``),
-  each on ``device`` (default: the first block's)."""
-  found = {}
-  for shard in x.addressable_shards:
-    found.setdefault((shard.index[0].start or 0) // per_block, shard.data)
-  shards = [found[b] for b in blocks]
+  """The slots of each listed block (:func:`~jsparse._src.core.units.block_slots`), each on
+  ``device`` (default: the first block's)."""
+  shards = block_slots(x, per_block, blocks)
   return jax.device_put(shards, device or next(iter(shards[0].devices())))
 
 
