@@ -65,7 +65,7 @@ def rollout_specs(params):
 
   def spec(path, x):
     name = jax.tree_util.keystr(path)
-    if x.ndim != 2:
+    if x.ndim != 2 or name.endswith(".scale"):  # vectors, and a quantized leaf's scales
       return P()
     return P(None, "tensor") if ("up" in name or "head" in name) else P("tensor", None)
   return jax.tree.map_with_path(spec, params)
@@ -164,7 +164,7 @@ def trainer(args: argparse.Namespace) -> dict:
   train_step = sharded_train_step(graphdef, tx, shardings)
 
   # --- jsparse: the same calls in every trainer process ---
-  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, quantize=_quantize(args))
   sender = jsparse.Sender(plan, params, coding=args.coding)
   out = Path(args.dir)
   publisher = engine.Publisher(sender, engine.DirectoryFeed(out / FEED), anchor_every=None,
@@ -194,6 +194,9 @@ def trainer(args: argparse.Namespace) -> dict:
                                "changed": stats.changed, "elements": stats.elements,
                                "dense_bytes": stats.dense_bytes, "anchor": stats.anchor})
     expected = multihost_utils.process_allgather(plan.cast(params), tiled=True)  # test only
+    if args.quantize:  # test only: the codes and scales are qwix's on the whole masters
+      report.setdefault("qwix_equal", []).append(_equals_qwix(
+          plan, multihost_utils.process_allgather(params, tiled=True), expected))
     if jax.process_index() == 0:
       (out / STEP_DIR.format(version=version)).mkdir(parents=True, exist_ok=True)
       np.savez(out / STEP_DIR.format(version=version) / "expected.npz",
@@ -207,6 +210,33 @@ def trainer(args: argparse.Namespace) -> dict:
   report.update(peak_rss_mb=_peak_rss_mb(), held_bytes=_held_bytes(sender.snapshot),
                 digest=sender.digest.hex(), fingerprint=plan.fingerprint.hex())
   return report
+
+
+def _quantize(args: argparse.Namespace):
+  """The ``quantize=`` rule of ``--quantize`` (a preset of jsparse.quantized), or None."""
+  if not args.quantize:
+    return None
+  from jsparse import quantized
+  return getattr(quantized, args.quantize)()
+
+
+def _equals_qwix(plan, masters, held) -> bool:
+  """Whether ``held`` (the rollout's tree, whole) holds qwix's codes and scales of ``masters``
+  (whole), quantized under jit with each leaf's spec (test fixture)."""
+  import jax
+  import numpy as np
+  from qwix._src.core import qarray
+  from jsparse._src.core.bits import np_to_bits
+  flat_masters = plan.view.treedef.flatten_up_to(masters)
+  flat_held = plan.view.treedef.flatten_up_to(held)
+  for spec, master, node in zip(plan.view.specs, flat_masters, flat_held):
+    if spec is None:
+      continue
+    want = jax.jit(lambda x, spec=spec: qarray.quantize(x, spec.how()))(np.asarray(master))
+    for a, b in ((node.qvalue, want.qvalue), (node.scale, want.scale)):
+      if not np.array_equal(np_to_bits(np.asarray(a)), np_to_bits(np.asarray(b))):
+        return False
+  return True
 
 
 def _bits_by_path(tree) -> dict:
@@ -262,7 +292,7 @@ def rollout(args: argparse.Namespace) -> dict:
   out = Path(args.dir)
   plan = jsparse.make_plan(abstract_trainer_params(config(args.vocab, args.dim),
                                                    args.trainer_devices),
-                           rollout_dtype=jnp.bfloat16)
+                           rollout_dtype=jnp.bfloat16, quantize=_quantize(args))
   mesh = rollout_mesh(args.tensor)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s),
                            rollout_specs(plan.rollout_shapes()))
@@ -417,6 +447,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--chunk-bytes", type=int, default=128 << 10,
                       help="trainer: rollout bytes per streamed part (several per process)")
   parser.add_argument("--coding", default="ranked", help="trainer: the Sender's coding")
+  parser.add_argument("--quantize", default=None,
+                      help="a preset of jsparse.quantized (e.g. fp8_per_channel): the rollout "
+                           "holds quantized weights")
   parser.add_argument("--tensor", type=int, default=4, help="rollout tensor-parallel size")
   parser.add_argument("--name", default="rollout")
   parser.add_argument("--faults", action="store_true", help="refuse bad parts at version 3")

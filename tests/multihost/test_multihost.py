@@ -37,6 +37,12 @@ def jobs(tmp_path_factory):
       timeout=TIMEOUT)
   reports["after4"] = multihost.launch("rollout", 2, 4, str(four), ["--name", "after4"],
                                        timeout=TIMEOUT)
+  quantized = tmp_path_factory.mktemp("trainer_fp8")  # FP8 rollout weights, per channel
+  fp8 = ["--quantize", "fp8_per_channel", "--steps", "3"]
+  reports["trainer_fp8"] = multihost.launch("trainer", 2, 4, str(quantized), fp8,
+                                            timeout=TIMEOUT)
+  reports["rollout_fp8"] = multihost.launch("rollout", 2, 4, str(quantized),
+                                            ["--name", "rollout_fp8", *fp8], timeout=TIMEOUT)
   return reports
 
 
@@ -133,3 +139,15 @@ def test_a_two_process_rollout_catches_up_with_a_subscriber(jobs):
     assert r["followed"] == [1, 2, 3, 4, 5, 6]
     assert r["stats"]["anchors"] == 1 and r["stats"]["deltas"] == 5
     assert r["digest"] == jobs["trainer"][0]["digest"]
+
+
+def test_a_quantized_rollout_holds_the_qwix_codes_of_the_trainer_masters(jobs):
+  """Each trainer process quantizes its own blocks (per-channel scales finished across
+  processes); the 2-process rollout applies every version (each process checks its shards), and
+  the codes and scales equal qwix's on the whole masters."""
+  trainer, rollout = jobs["trainer_fp8"], jobs["rollout_fp8"]
+  assert all(all(r["qwix_equal"]) and len(r["qwix_equal"]) == 4 for r in trainer)
+  assert [r["version"] for r in rollout] == [4, 4]
+  assert len({r["digest"] for r in trainer + rollout}) == 1
+  later = [v for v in trainer[0]["versions"] if v["version"] > 1]
+  assert all(v["changed"] < 0.02 * v["elements"] for v in later)  # FP8 codes rarely flip
