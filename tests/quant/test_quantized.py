@@ -3,6 +3,8 @@ qwix's quantizer on the trainer's masters, bit for bit, every step and on every 
 overflow, anchors, meshes, parts, streams, checkpoints, resumed senders); bad specs are refused
 naming the leaf. The reference is always qwix's own ``quantize`` on the whole master."""
 
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,6 +227,40 @@ def test_sharded_trainer_quantizes_its_blocks_with_qwix_bits(preset):
       assert leaf.sharding.is_equivalent_to(s, leaf.ndim)
 
 
+@settings(max_examples=8)
+@given(mesh_shape=st.sampled_from([(2,), (4,), (2, 2), (8,)]),
+       rows=st.sampled_from([64, 128, 192]), cols=st.sampled_from([32, 64, 128]),
+       qtype=st.sampled_from(["float8_e4m3fn", "int8", "int4", "mxfp4"]),
+       tile=st.sampled_from([16, 32, 64]), seed=st.integers(0, 2**16))
+def test_random_meshes_either_sync_exactly_or_refuse_a_split_tile(mesh_shape, rows, cols, qtype,
+                                                                  tile, seed):
+  """Rows split over the first mesh axis, columns over the second (if any); tiles along rows,
+  a scale per column. Exact when each device's rows hold whole tiles, else refused."""
+  tile = 32 if qtype == "mxfp4" else tile
+  names = ("a", "b")[:len(mesh_shape)]
+  mesh = _mesh(mesh_shape, names)
+  spec = P(*names)
+  block_rows = rows // mesh_shape[0]
+  how = qa.HowToQuantize(qtype=qtype if qtype == "mxfp4" else jnp.dtype(qtype),
+                         channelwise_axes=(1,), tiled_axes={0: tile})
+  rng = np.random.default_rng(seed)
+  tree = {"w": rng.normal(size=(rows, cols)).astype(np.float32)}
+  place = lambda t: {"w": jax.device_put(t["w"], NamedSharding(mesh, spec))}  # noqa: E731
+  rule = lambda path, s: how  # noqa: E731
+  if rows % tile:
+    return
+  if block_rows % tile:
+    with pytest.raises(jsparse.ConfigError, match=rf"\['w'\]: a tile of {tile} along axis 0"):
+      jsparse.make_plan(place(tree), quantize=rule)
+    return
+  plan = jsparse.make_plan(place(tree), capacity=0.1, quantize=rule)
+  sender = jsparse.Sender(plan, place(tree))
+  receiver = jsparse.Receiver(plan, plan.cast(place(tree)))
+  for new in (rl_step(tree, seed), jolt(tree, seed)):
+    held = receiver.receive(sender.send(place(new)))
+    assert_matches_qwix(held, new, lambda k: how)
+
+
 def test_a_tile_split_across_devices_is_refused_naming_the_leaf_and_tile():
   mesh = _mesh((4,), ("x",))
   tree = {"w": jax.device_put(jnp.zeros((256, 128)), NamedSharding(mesh, P("x", None)))}
@@ -360,3 +396,5 @@ def test_quantized_plans_fingerprint_their_quantization():
   c = jsparse.make_plan(tree, quantize=quantized.fp8_tiles())
   assert a.fingerprint != b.fingerprint and a.fingerprint == c.fingerprint
   assert a != jsparse.make_plan(tree)
+  again = pickle.loads(pickle.dumps(a))  # e.g. sent to another process
+  assert again == a and again.fingerprint == a.fingerprint
