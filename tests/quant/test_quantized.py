@@ -261,6 +261,25 @@ def test_random_meshes_either_sync_exactly_or_refuse_a_split_tile(mesh_shape, ro
     assert_matches_qwix(held, new, lambda k: how)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_asymmetric_int8_syncs_zero_points_too(sharded):
+  """minmax calibration: scales and zero points per channel (min and max finished across the
+  devices that split the reduced axis)."""
+  mesh = _mesh((4,), ("x",))
+  how = qa.HowToQuantize(qtype=jnp.int8, channelwise_axes=(1,), calibration_method="minmax")
+  tree = {"w": masters(10)["w"]}
+  def place(t):
+    return {"w": jax.device_put(t["w"], NamedSharding(mesh, P("x", None)))} if sharded else t
+
+  plan = jsparse.make_plan(place(tree), quantize=lambda path, s: how)
+  sender = jsparse.Sender(plan, place(tree))
+  receiver = jsparse.Receiver(plan, plan.cast(place(tree)))
+  for new in (rl_step(tree, 0), jolt(tree)):
+    held = receiver.receive(sender.send(place(new)))
+    assert held["w"].zero_point is not None
+    assert_matches_qwix(held, new, lambda k: how)
+
+
 def test_a_tile_split_across_devices_is_refused_naming_the_leaf_and_tile():
   mesh = _mesh((4,), ("x",))
   tree = {"w": jax.device_put(jnp.zeros((256, 128)), NamedSharding(mesh, P("x", None)))}
