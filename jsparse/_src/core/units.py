@@ -85,39 +85,71 @@ def block_box(layout: Layout, shape: tuple[int, ...], block: int) -> Box:
   return tuple((int(i) * n, (int(i) + 1) * n) for i, n in zip(index, sizes))
 
 
-def _split_geometry(plan: Plan, unit: Unit) -> tuple | None:
-  """``(leaf, layout, block shape as an array)`` of a unit of a leaf split into blocks, or None
-  for a unit of a whole segment (whose positions are the segment's)."""
+Geometry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def split_geometry(plan: Plan, unit: Unit) -> Geometry | None:
+  """``(leaf shape, block shape, blocks per axis)`` of a unit of a leaf split into blocks, or
+  None for a unit of a whole segment (whose positions are the segment's)."""
   seg = plan.segments[unit.segment]
   if seg.blocks == 1:
     return None
   leaf, layout = _split_leaf(plan, seg)
-  return leaf, layout, np.array(layout.block_shape(leaf.shape))
+  return tuple(leaf.shape), tuple(layout.block_shape(leaf.shape)), tuple(layout.parts)
+
+
+# The position arithmetic below takes NumPy or (under jit: no sort, no 64-bit) jax.numpy arrays.
+
+def _coords(x, shape: Sequence[int]) -> list:
+  """Row-major coordinates in ``shape`` of flat indices ``x`` (in range)."""
+  coords = []
+  for n in shape[:0:-1]:
+    x, c = divmod(x, n)
+    coords.append(c)
+  return [x % shape[0]] + coords[::-1]
+
+
+def _flat(coords: Sequence, shape: Sequence[int]):
+  """Inverse of :func:`_coords`."""
+  flat = 0
+  for c, n in zip(coords, shape):
+    flat = flat * n + c
+  return flat
+
+
+def block_coords(positions, leaf_shape: Sequence[int], block_shape: Sequence[int]
+                 ) -> tuple[list, object]:
+  """Leaf positions as (their block's coordinates, per axis; their position inside it)."""
+  split = [divmod(c, n) for c, n in zip(_coords(positions, leaf_shape), block_shape)]
+  return [b for b, _ in split], _flat([i for _, i in split], block_shape)
+
+
+def leaf_positions(blocks, inner, leaf_shape: Sequence[int], block_shape: Sequence[int],
+                   parts: Sequence[int]):
+  """Leaf positions of positions ``inner`` inside ``blocks`` (row-major over ``parts``)."""
+  return _flat([b * n + i for b, i, n in zip(_coords(blocks, parts), _coords(inner, block_shape),
+                                             block_shape)], leaf_shape)
 
 
 def to_unit_positions(plan: Plan, unit: Unit, positions: np.ndarray) -> np.ndarray:
   """Segment positions (inside the unit's blocks) as positions in the unit's index space."""
-  if (geometry := _split_geometry(plan, unit)) is None:
-    return np.asarray(positions, np.int64)
-  leaf, layout, sizes = geometry
-  multi = np.stack(np.unravel_index(np.asarray(positions, np.int64), leaf.shape))
-  blocks = np.ravel_multi_index(tuple(multi // sizes[:, None]), layout.parts)
-  slot_of = np.full(layout.blocks, -1, np.int64)
+  positions = np.asarray(positions, np.int64)
+  if (geometry := split_geometry(plan, unit)) is None:
+    return positions
+  leaf_shape, block_shape, parts = geometry
+  coords, inner = block_coords(positions, leaf_shape, block_shape)
+  slot_of = np.full(math.prod(parts), -1, np.int64)
   slot_of[list(unit.blocks)] = np.arange(len(unit.blocks))
-  inner = np.ravel_multi_index(tuple(multi % sizes[:, None]), tuple(sizes))
-  return slot_of[blocks] * math.prod(sizes) + inner
+  return slot_of[_flat(coords, parts)] * math.prod(block_shape) + inner
 
 
 def to_segment_positions(plan: Plan, unit: Unit, positions: np.ndarray) -> np.ndarray:
   """Inverse of :func:`to_unit_positions`."""
-  if (geometry := _split_geometry(plan, unit)) is None:
-    return np.asarray(positions, np.int64)
-  leaf, layout, sizes = geometry
   positions = np.asarray(positions, np.int64)
-  blocks = np.asarray(unit.blocks, np.int64)[positions // math.prod(sizes)]
-  starts = np.stack(np.unravel_index(blocks, layout.parts)) * sizes[:, None]
-  inner = np.stack(np.unravel_index(positions % math.prod(sizes), tuple(sizes)))
-  return np.ravel_multi_index(tuple(starts + inner), leaf.shape).astype(np.int64)
+  if (geometry := split_geometry(plan, unit)) is None:
+    return positions
+  block, inner = divmod(positions, math.prod(geometry[1]))
+  return leaf_positions(np.asarray(unit.blocks, np.int64)[block], inner, *geometry)
 
 
 def _box_of(index: tuple, shape: tuple[int, ...]) -> Box:

@@ -34,7 +34,8 @@ import numpy as np
 
 from jsparse._src.core.chunks import sub_plan
 from jsparse._src.core.plan import Plan
-from jsparse._src.core.units import Unit, block_slots, local_value, owned_slots, unit_slot
+from jsparse._src.core.units import (Unit, block_coords, block_slots, leaf_positions, local_value,
+                                     owned_slots, split_geometry, unit_slot)
 from jsparse._src.sync.packed_stage import on_device, used_streams
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
@@ -51,12 +52,6 @@ def unit_plan(plan: Plan, unit: Unit) -> Plan:
   if plan.segments[unit.segment].blocks == 1:
     return sub_plan(plan, (unit.segment,))
   return Plan(jax.tree.structure([]), (), (unit_slot(plan, unit),), plan.bucket_size)
-
-
-def _geometry(plan: Plan, unit: Unit) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-  """``(leaf shape, block shape, blocks per axis)`` of a split leaf's unit."""
-  leaf = plan.leaves[plan.segments[unit.segment].leaf_ids[0]]
-  return leaf.shape, tuple(leaf.layout.block_shape(leaf.shape)), tuple(leaf.layout.parts)
 
 
 def _single_device(x: jax.Array) -> jax.Array:
@@ -78,13 +73,7 @@ def _unit_changes(leaf_shape: tuple, block_shape: tuple, positions: list, new: l
   the first ``sum(counts)`` entries in ascending order (blocks in unit order)."""
   positions, new, old = jnp.stack(positions), jnp.stack(new), jnp.stack(old)
   rows, per_block = positions.shape
-  coords, rest = [], positions
-  for dim in reversed(leaf_shape):
-    coords.append(rest % dim)
-    rest = rest // dim
-  inner = jnp.zeros_like(positions)
-  for coord, size in zip(reversed(coords), block_shape):
-    inner = inner * size + coord % size
+  _, inner = block_coords(positions, leaf_shape, block_shape)
   unit_positions = jnp.arange(rows, dtype=jnp.int32)[:, None] * math.prod(block_shape) + inner
   slot = jnp.arange(per_block, dtype=jnp.int32)[None, :]
   start = (jnp.cumsum(counts) - counts)[:, None]
@@ -103,18 +92,8 @@ def _segment_positions(leaf_shape: tuple, block_shape: tuple, parts: tuple,
   as the leaf's flat positions; ``blocks``: the unit's blocks."""
   size = math.prod(block_shape)
   positions = jnp.clip(positions, 0, blocks.shape[0] * size - 1)
-  block, inner = blocks[positions // size], positions % size
-  block_coords, inner_coords = [], []
-  for part, dim in zip(reversed(parts), reversed(block_shape)):
-    block_coords.append(block % part)
-    block = block // part
-    inner_coords.append(inner % dim)
-    inner = inner // dim
-  flat = jnp.zeros_like(positions)
-  for b, i, dim, n in zip(reversed(block_coords), reversed(inner_coords), block_shape,
-                          leaf_shape):
-    flat = flat * n + b * dim + i
-  return flat
+  return leaf_positions(blocks[positions // size], positions % size, leaf_shape, block_shape,
+                        parts)
 
 
 class _Launched:
@@ -151,7 +130,7 @@ def _launch(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
     device = next(iter(positions[0].devices()))
     columns = [positions] + [_block_shards(x, per_block, unit.blocks, device)
                              for x in (delta.values[s], changes.old_values[s])]
-    leaf_shape, block_shape, _ = _geometry(plan, unit)
+    leaf_shape, block_shape, _ = split_geometry(plan, unit)
     inputs = _unit_changes(leaf_shape, block_shape, *columns,
                            jax.device_put(block_counts.astype(np.int32), device))
   mode = Mode.BY_RANK if by_rank else Mode.BY_POSITION
@@ -197,7 +176,7 @@ def stage_unit(plan: Plan, unit: Unit, record: PackedRecord, staged: StagedRecor
         uplan, (slots,), data, np.asarray(offsets, np.int32), np.array([record.count], np.int32),
         (None,))
     if plan.segments[unit.segment].blocks > 1:
-      keys = _segment_positions(*_geometry(plan, unit), keys,
+      keys = _segment_positions(*split_geometry(plan, unit), keys,
                                 np.asarray(unit.blocks, np.int32))
   staged.add_device(unit.segment, keys, values, record.count)
   return ok
