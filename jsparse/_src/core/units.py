@@ -252,6 +252,24 @@ def owned_slots(x: jax.Array, capacity: int, blocks: Sequence[int]) -> np.ndarra
   return np.concatenate([np.asarray(d).reshape(-1) for d in block_slots(x, capacity, blocks)])
 
 
+def unit_counts(plan: Plan, units: Sequence[Unit], counts: jax.Array, overflow: jax.Array,
+                block_counts: Sequence) -> list[np.ndarray | None]:
+  """Per unit of ``units`` (owned by this process), a diff's changes in it per block (one entry
+  for a whole segment), or None where they overflow its slots (the unit goes dense).
+  ``counts``, ``overflow``: the diff's per-segment outputs; ``block_counts``: per segment, the
+  per-block counts of a split leaf."""
+  counts, overflow = local_value(counts), local_value(overflow)
+  found = []
+  for unit in units:
+    s, seg = unit.segment, plan.segments[unit.segment]
+    if seg.blocks == 1:
+      found.append(None if overflow[s] else counts[s:s + 1])
+      continue
+    per_block = owned_slots(block_counts[s], 1, unit.blocks)
+    found.append(None if np.any(per_block > seg.capacity // seg.blocks) else per_block)
+  return found
+
+
 def local_value(x: jax.Array) -> np.ndarray:
   """A replicated (or process-local) array's value on this host, never gathered."""
   if not isinstance(x, jax.Array) or x.is_fully_addressable:

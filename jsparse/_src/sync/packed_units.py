@@ -34,8 +34,8 @@ import numpy as np
 
 from jsparse._src.core.chunks import sub_plan
 from jsparse._src.core.plan import Plan
-from jsparse._src.core.units import (Unit, block_coords, block_slots, leaf_positions, local_value,
-                                     owned_slots, split_geometry, unit_slot)
+from jsparse._src.core.units import (Unit, block_coords, block_slots, leaf_positions,
+                                     split_geometry, unit_slot)
 from jsparse._src.sync.packed_stage import on_device, used_streams
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
@@ -108,31 +108,28 @@ class _Launched:
 
 
 def _launch(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
-            counts: np.ndarray, overflow: np.ndarray) -> _Launched | None:
-  """Dispatches ``unit``'s pack program (None: the unit goes dense, or has no change)."""
+            counts: np.ndarray) -> _Launched | None:
+  """Dispatches ``unit``'s pack program (None: the unit has no change); ``counts``: its changes
+  per block (:func:`~jsparse._src.core.units.unit_counts`)."""
   s, seg = unit.segment, plan.segments[unit.segment]
+  count = int(counts.sum())
+  if not count:
+    return None
   delta = changes.delta
   by_rank = ranked and seg.ordered
   if seg.blocks == 1:
-    count = int(counts[s])
-    if overflow[s] or not count:
-      return None
     keys = changes.ranks[s] if by_rank else delta.indices[s]
     inputs = [_single_device(x) for x in (keys, delta.values[s], changes.old_values[s])]
     inputs = jax.device_put(inputs, next(iter(inputs[0].devices())))
   else:
     per_block = seg.capacity // seg.blocks
-    block_counts = owned_slots(changes.block_counts[s], 1, unit.blocks)
-    count = int(block_counts.sum())
-    if np.any(block_counts > per_block) or not count:
-      return None
     positions = _block_shards(delta.indices[s], per_block, unit.blocks)
     device = next(iter(positions[0].devices()))
     columns = [positions] + [_block_shards(x, per_block, unit.blocks, device)
                              for x in (delta.values[s], changes.old_values[s])]
     leaf_shape, block_shape, _ = split_geometry(plan, unit)
     inputs = _unit_changes(leaf_shape, block_shape, *columns,
-                           jax.device_put(block_counts.astype(np.int32), device))
+                           jax.device_put(counts.astype(np.int32), device))
   mode = Mode.BY_RANK if by_rank else Mode.BY_POSITION
   codes = count * device_codes.values_per_change(seg)
   outputs = device_codes.pack_program(unit_plan(plan, unit), by_rank, *((x,) for x in inputs),
@@ -140,23 +137,21 @@ def _launch(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
   return _Launched(mode, count, codes, outputs)
 
 
-def unit_records(plan: Plan, ranked: bool, units: Sequence[Unit], changes: DeviceChanges,
+def unit_records(plan: Plan, ranked: bool, units: Sequence[Unit],
+                 counts: Sequence[np.ndarray | None], changes: DeviceChanges,
                  dense: Callable[[Unit], SegmentPayload]) -> list:
-  """The packed records of ``units`` (owned by this process) of a delta's ``changes``: a
-  :class:`PackedRecord` per sparse unit, ``dense(unit)`` for a unit that overflowed, an empty
-  record for a unit without changes. ``ranked``: ordered segments by rank."""
-  counts = local_value(changes.delta.counts).astype(np.int64)
-  overflow = local_value(changes.delta.overflow)
-  launched = [_launch(plan, unit, changes, ranked, counts, overflow) for unit in units]
+  """The packed records of ``units`` (owned by this process) of a delta's ``changes``, with
+  their ``counts`` (:func:`~jsparse._src.core.units.unit_counts`): a :class:`PackedRecord` per
+  unit with changes, ``dense(unit)`` for a unit that overflowed, an empty record for a unit
+  without changes. ``ranked``: ordered segments by rank."""
+  launched = [None if c is None else _launch(plan, unit, changes, ranked, c)
+              for unit, c in zip(units, counts)]
   records = []
-  for unit, out in zip(units, launched):
-    seg = plan.segments[unit.segment]
-    if out is not None:
-      records.append(out.record())
-    elif (overflow[unit.segment] if seg.blocks == 1
-          else np.any(owned_slots(changes.block_counts[unit.segment], 1, unit.blocks)
-                      > seg.capacity // seg.blocks)):
+  for unit, c, out in zip(units, counts, launched):
+    if c is None:
       records.append(dense(unit))
+    elif out is not None:
+      records.append(out.record())
     else:
       records.append(PackedRecord(Mode.EMPTY, 0, None))
   return records

@@ -29,7 +29,7 @@ from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.plan import Plan
 from jsparse._src.core.units import (Unit, block_box, local_value, needs_unit, owned_block_data,
                                      owned_slots, process_boxes, to_segment_positions,
-                                     to_unit_positions, unit_slot, write_regions)
+                                     to_unit_positions, unit_counts, unit_slot, write_regions)
 from jsparse._src.errors import ArgumentError, JsparseError, PayloadError
 from jsparse._src.sync import packed_units
 from jsparse._src.sync.programs import DeviceChanges
@@ -48,20 +48,20 @@ def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: Dev
   (for a packed ``coding``, packed on the device: ``packed_units.py``)."""
   if full:
     return dense_records(plan, units, snapshot)
-  if coding.format == Format.PACKED:
-    return packed_units.unit_records(plan, coding.ranked, units, changes,
-                                     lambda unit: dense_records(plan, [unit], snapshot)[0])
   delta = changes.delta
-  counts, overflow = local_value(delta.counts), local_value(delta.overflow)
+  counts = unit_counts(plan, units, delta.counts, delta.overflow, changes.block_counts)
+  if coding.format == Format.PACKED:
+    return packed_units.unit_records(plan, coding.ranked, units, counts, changes,
+                                     lambda unit: dense_records(plan, [unit], snapshot)[0])
   records = []
-  for unit in units:
+  for unit, unit_count in zip(units, counts):
     s = unit.segment
     seg = plan.segments[s]
+    if unit_count is None:
+      records.extend(dense_records(plan, [unit], snapshot))
+      continue
     if seg.blocks == 1:
-      if overflow[s]:
-        records.extend(dense_records(plan, [unit], snapshot))
-        continue
-      n = int(counts[s])
+      n = int(unit_count[0])
       ranks = None if changes.ranks is None or changes.ranks[s] is None else \
           local_value(changes.ranks[s])[:n]
       records.append(sparse_record(
@@ -69,10 +69,6 @@ def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: Dev
           local_value(changes.old_values[s])[:n], ranks))
       continue
     per_block = seg.capacity // seg.blocks
-    block_counts = owned_slots(changes.block_counts[s], 1, unit.blocks)
-    if np.any(block_counts > per_block):
-      records.extend(dense_records(plan, [unit], snapshot))
-      continue
     positions = owned_slots(delta.indices[s], per_block, unit.blocks)
     used = positions < seg.size  # each block's changes ascend; blocks come in unit order
     records.append(sparse_record(
