@@ -12,7 +12,9 @@ two more lines::
 
 Every sync then moves only the rollout elements whose bits changed; the rollout's params after
 it are bit-identical to the trainer's cast to the rollout dtype (the receiver checks the digest).
-With ``feed=`` the syncs go through an engine feed (:class:`~jsparse.engine.DirectoryFeed`,
+A rollout that serves qwix PTQ-quantized weights (``qwix.quantize_model``) is synced into its
+codes and scales, bit for bit (see :mod:`jsparse.quantized`). With ``feed=`` the syncs go through
+an engine feed (:class:`~jsparse.engine.DirectoryFeed`,
 :class:`~jsparse.engine.RayFeed`) that rollout jobs in other processes follow with
 :class:`RolloutSubscriber`.
 """
@@ -33,6 +35,7 @@ from jsparse._src.sync.sender import Sender
 from jsparse._src.tunix import compat
 from jsparse._src.tunix.compat import TESTED_TUNIX_VERSION, TunixVersionError
 from jsparse._src.tunix.links import FeedLink, InProcessLink
+from jsparse._src.tunix.quantized import RolloutStructure, ptq_rule
 from jsparse._src.tunix.rollout import SparseRollout, SyncRecord
 
 
@@ -50,10 +53,14 @@ def sync_filter(model: Any) -> tuple:
 
 
 def tunix_plan(trainer_state: PyTree, rollout_state: PyTree, *, capacity: float = 0.05,
-               pooled_capacity: float = 1.0) -> Plan:
+               pooled_capacity: float = 1.0, quantize: Any = None) -> Plan:
   """The plan for syncing ``trainer_state`` into ``rollout_state``: each leaf goes to the dtype
   the rollout holds it in. Both may be abstract (``jax.ShapeDtypeStruct``, e.g. from
   ``nnx.eval_shape``), so a rollout job builds the same plan as the trainer without its arrays.
+
+  A rollout that serves qwix-quantized weights (``qwix.quantize_model`` with a ``PtqProvider``)
+  needs ``quantize=ptq_rule(rollout_model)``: those weights then sync as the codes and scales
+  the rollout holds (see :mod:`jsparse.quantized`).
 
   Raises:
     PlanMismatchError: the two states differ in structure (the first differing leaf is named).
@@ -66,6 +73,11 @@ def tunix_plan(trainer_state: PyTree, rollout_state: PyTree, *, capacity: float 
   trainer = jax.tree.flatten_with_path(trainer_state)[0]
   rollout = jax.tree.flatten_with_path(rollout_state)[0]
   dtypes = {jax.tree_util.keystr(p): x.dtype for p, x in rollout}
+  if quantize is not None:  # quantized weights: the rollout's leaves are their codes and scales
+    plan = make_plan(trainer_state, rollout_dtype=lambda path, _: dtypes[path],
+                     capacity=capacity, pooled_capacity=pooled_capacity, quantize=quantize)
+    RolloutStructure.of(plan, rollout_state)  # the same leaves, in order
+    return plan
   for (path, x), (rpath, r) in zip(trainer, rollout):
     if path != rpath or x.shape != r.shape:
       raise PlanMismatchError(
@@ -113,13 +125,15 @@ def use_sparse_sync(rl_cluster: Any, *, feed: Feed | None = None, coding: str = 
   filter_types = sync_filter(trainer)
   trainer_state = nnx.state(trainer, filter_types)
   rollout_state = nnx.state(inner.model(), filter_types)
-  plan = tunix_plan(trainer_state, rollout_state, capacity=capacity)
+  plan = tunix_plan(trainer_state, rollout_state, capacity=capacity,
+                    quantize=ptq_rule(inner.model()))
+  structure = RolloutStructure.of(plan, rollout_state)
   sender = Sender(plan, trainer_state, coding=coding)
-  receiver = Receiver(plan, rollout_state, donate=donate)
+  receiver = Receiver(plan, structure.to_view(rollout_state), donate=donate)
   anchor_first = sender.digest != receiver.digest
   link = (InProcessLink(sender, receiver, anchor_first=anchor_first) if feed is None else
           FeedLink(sender, receiver, feed, anchor_first=anchor_first, chunk_bytes=chunk_bytes))
-  rollout = SparseRollout(inner, link, filter_types)
+  rollout = SparseRollout(inner, link, filter_types, structure)
   rl_cluster._rollout = rollout  # pylint: disable=protected-access
   return rollout
 
@@ -160,7 +174,9 @@ class RolloutSubscriber:
     self.rollout = rollout
     self.filter_types = filter_types or sync_filter(rollout.model())
     state = nnx.state(rollout.model(), self.filter_types)
-    self.subscriber = Subscriber(Receiver(plan, state, version=version, donate=donate), feed)
+    self.structure = RolloutStructure.of(plan, state)
+    self.subscriber = Subscriber(Receiver(plan, self.structure.to_view(state), version=version,
+                                          donate=donate), feed)
 
   @property
   def version(self) -> int:
@@ -172,9 +188,10 @@ class RolloutSubscriber:
     with jax.transfer_guard("allow"):
       applied = self.subscriber.poll()
       if applied:
-        self.rollout.update_params(self.subscriber.params, self.filter_types)
+        self.rollout.update_params(self.structure.to_rollout(self.subscriber.params),
+                                   self.filter_types)
     return applied
 
 
 __all__ = ["RolloutSubscriber", "SparseRollout", "SyncRecord", "TESTED_TUNIX_VERSION",
-           "TunixVersionError", "sync_filter", "tunix_plan", "use_sparse_sync"]
+           "TunixVersionError", "ptq_rule", "sync_filter", "tunix_plan", "use_sparse_sync"]

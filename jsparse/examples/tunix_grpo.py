@@ -158,6 +158,31 @@ def build_cluster(size: Size = Size(), *, steps: int = 3, learning_rate: float =
                       tokenizer=WordTokenizer(size.vocab), cluster_config=cluster_config)
 
 
+def quantize_rollout(rl_cluster, qtype: str = "float8_e4m3fn",
+                     module_path: str = ".*(gate_proj|up_proj|down_proj)") -> None:
+  """Makes ``rl_cluster``'s rollout serve qwix-quantized weights: a ``VanillaRollout`` of a qwix
+  PTQ copy of its model (``qwix.quantize_model`` with a ``PtqProvider``), the weights of the
+  modules matching ``module_path`` quantized to ``qtype`` with a scale per output channel.
+  Tunix 0.1.7 has no option for this (its rollout is built from the actor); and its Qwen3 serves
+  PTQ weights in the MLP's ``nnx.Linear`` layers only (its attention ``Einsum`` layers call
+  ``jnp.astype`` on the weight, which a PTQ weight is not). Tunix's own dense sync cannot fill
+  such a rollout (the trees differ), nor can its ``GRPOLearner`` be built on it (its check for
+  shared weights maps the actor's and the rollout's states together); ``RLCluster.sync_weights``
+  with :func:`jsparse.tunix.use_sparse_sync` syncs it."""
+  import jax.numpy as jnp
+  import qwix
+  from tunix.rl.rollout import base_rollout, vanilla_rollout
+  model = rl_cluster.rollout.model()
+  rule = qwix.QtRule(module_path=module_path, weight_qtype=jnp.dtype(qtype))
+  quantized = qwix.quantize_model(model, qwix.PtqProvider([rule]), **model.get_model_input())
+  config = model.config
+  rl_cluster._rollout = vanilla_rollout.VanillaRollout(  # pylint: disable=protected-access
+      quantized, rl_cluster.tokenizer, base_rollout.CacheConfig(
+          cache_size=rl_cluster.cluster_config.rollout_config.kv_cache_size,
+          num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+          head_dim=config.head_dim))
+
+
 def dataset(batch: int = 2):
   """The prompts as a grain dataset of ``batch``-sized batches (``prompts`` and ``answer``)."""
   from grain import python as grain

@@ -170,3 +170,49 @@ def test_a_rollout_that_holds_other_bits_starts_from_an_anchor(through_feed, tmp
   assert plan.rollout_bytes <= first.payload_bytes < plan.rollout_bytes + 300
   if through_feed:
     assert link.subscriber.stats.skipped == 0 and link.subscriber.stats.anchors == 1
+
+
+@pytest.mark.parametrize("qtype", ["float8_e4m3fn", "int8"])
+def test_a_rollout_serving_qwix_ptq_weights_holds_their_exact_codes_after_every_sync(qtype):
+  """A Tunix rollout whose MLP weights are qwix PTQ-quantized (``qwix.quantize_model``): each
+  ``RLCluster.sync_weights`` leaves the rollout's codes and scales equal to qwix's quantizer (under
+  jit, with the rollout's own ``how``) on the trainer's masters, its other weights bf16-exact,
+  and the rollout still generates."""
+  import jax.numpy as jnp
+  from qwix._src.core import qarray
+  from qwix._src.providers.ptq import WithAux
+  from tunix.rl.rollout import base_rollout
+
+  cluster = tunix_grpo.build_cluster(init_std=0.02)
+  tunix_grpo.quantize_rollout(cluster, qtype)
+  sync = jtunix.use_sparse_sync(cluster)
+  actor, rollout = cluster.actor_trainer.model, cluster.rollout.model()
+  quantized = {path + (name,): value.how for path, module in nnx.iter_modules(rollout)
+               for name, value in vars(module).items() if isinstance(value, WithAux)}
+  assert len(quantized) == 6  # gate, up and down projections of both layers
+  trainer_modules = dict(nnx.iter_modules(actor))
+  for step in range(2):
+    _, params, _ = nnx.split(actor, nnx.Param, ...)
+    nnx.update(actor, jax.tree.map(  # an RL-sized update of every matrix
+        lambda x: x * (1 + 1e-4 * jax.random.normal(jax.random.key(step), x.shape, x.dtype))
+        if x.ndim >= 2 else x, params))
+    cluster.sync_weights()
+    rollout_modules = dict(nnx.iter_modules(cluster.rollout.model()))
+    for path_name, how in quantized.items():
+      master = getattr(trainer_modules[path_name[:-1]], path_name[-1])[...]
+      want = jax.jit(lambda x, how=how: qarray.quantize(x, how))(master)
+      got = getattr(rollout_modules[path_name[:-1]], path_name[-1]).array
+      for a, b in ((got.qvalue[...], want.qvalue), (got.scale[...], want.scale)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8),
+                                      err_msg=str(path_name))
+    trainer_bits = _cast_bits({k: v for k, v in tunix_grpo._host_state(actor).items()})
+    held = tunix_grpo._host_state(cluster.rollout.model())
+    plain = [k for k in trainer_bits if k in held]
+    assert len(plain) == len(held) - 2 * len(quantized)
+    for k in plain:
+      np.testing.assert_array_equal(_bits(held[k]), trainer_bits[k], err_msg=k)
+  records = sync.records
+  assert [r.version for r in records] == [1, 2] and records[-1].payload_bytes < records[-1].dense_bytes
+  config = base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=8,
+                                      kv_cache_size=64, data_type=jnp.bfloat16, eos_tokens=[2])
+  assert cluster.rollout.generate(["w3 w4"], config).text

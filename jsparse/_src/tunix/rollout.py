@@ -22,6 +22,7 @@ from jsparse._src.errors import ConfigError
 from jsparse._src.pytree import PyTree
 from jsparse._src.tunix import compat
 from jsparse._src.tunix.links import Link
+from jsparse._src.tunix.quantized import RolloutStructure
 
 BaseRollout = compat.tunix_attr("tunix.rl.rollout.base_rollout", "BaseRollout")
 
@@ -73,6 +74,8 @@ class SparseRollout(BaseRollout):
     link: carries each sync from the trainer's params to the rollout's receiver.
     filter_types: the ``nnx`` variable types Tunix syncs (``(nnx.Param,)``, or
       ``(nnx.LoRAParam,)`` with LoRA); the plan covers exactly that state.
+    structure: how the rollout model holds the plan's rollout tree, when they differ (a qwix
+      PTQ model's quantized weights); None: as the receiver holds it.
 
   Attributes:
     records: one :class:`SyncRecord` per sync, in order.
@@ -92,10 +95,12 @@ class SparseRollout(BaseRollout):
   (1, 8)
   """
 
-  def __init__(self, inner: Any, link: Link, filter_types: tuple):  # pylint: disable=super-init-not-called
+  def __init__(self, inner: Any, link: Link, filter_types: tuple,  # pylint: disable=super-init-not-called
+               structure: RolloutStructure | None = None):
     self.inner = inner
     self.link = link
     self.filter_types = tuple(filter_types)
+    self.structure = structure  # how the rollout holds the plan's tree (quantized weights)
     self.records: list[SyncRecord] = []
     plan = link.sender.plan
     self._dense_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in plan.leaves)
@@ -112,7 +117,9 @@ class SparseRollout(BaseRollout):
     # device-to-device reshard on CPU, which this sync does not use.
     with jax.transfer_guard("allow"):
       moved = self.link.sync(params)
-      self.inner.update_params(self.link.receiver.params, filter_types)
+      params = self.link.receiver.params
+      self.inner.update_params(params if self.structure is None
+                               else self.structure.to_rollout(params), filter_types)
       jax.block_until_ready(self.link.receiver.params)
     self.records.append(SyncRecord(moved.version, moved.changed, self.link.sender.plan.num_elements,
                                    moved.payload_bytes, self._dense_bytes,
