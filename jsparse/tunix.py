@@ -74,8 +74,13 @@ def tunix_plan(trainer_state: PyTree, rollout_state: PyTree, *, capacity: float 
   rollout = jax.tree.flatten_with_path(rollout_state)[0]
   dtypes = {jax.tree_util.keystr(p): x.dtype for p, x in rollout}
   if quantize is not None:  # quantized weights: the rollout's leaves are their codes and scales
-    plan = make_plan(trainer_state, rollout_dtype=lambda path, _: dtypes[path],
-                     capacity=capacity, pooled_capacity=pooled_capacity, quantize=quantize)
+    def rollout_dtype(path: str, _) -> Any:
+      if path not in dtypes:
+        raise PlanMismatchError(f"jsparse.tunix: trainer leaf {path} is not quantized by the "
+                                "rollout and the rollout holds no leaf there")
+      return dtypes[path]
+    plan = make_plan(trainer_state, rollout_dtype=rollout_dtype, capacity=capacity,
+                     pooled_capacity=pooled_capacity, quantize=quantize)
     RolloutStructure.of(plan, rollout_state)  # the same leaves, in order
     return plan
   for (path, x), (rpath, r) in zip(trainer, rollout):

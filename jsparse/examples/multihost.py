@@ -65,7 +65,7 @@ def rollout_specs(params):
 
   def spec(path, x):
     name = jax.tree_util.keystr(path)
-    if x.ndim != 2 or name.endswith(".scale"):  # vectors, and a quantized leaf's scales
+    if x.ndim != 2 or name.endswith((".scale", ".zero_point")):  # vectors, quantization data
       return P()
     return P(None, "tensor") if ("up" in name or "head" in name) else P("tensor", None)
   return jax.tree.map_with_path(spec, params)
@@ -220,21 +220,27 @@ def _quantize(args: argparse.Namespace):
   return getattr(quantized, args.quantize)()
 
 
-def _equals_qwix(plan, masters, held) -> bool:
-  """Whether ``held`` (the rollout's tree, whole) holds qwix's codes and scales of ``masters``
-  (whole), quantized under jit with each leaf's spec (test fixture)."""
+def _equals_qwix(plan, masters, synced) -> bool:
+  """Whether ``synced`` (the tree the trainer syncs, gathered whole) holds qwix's codes, scales
+  and zero points of ``masters`` (whole), quantized under jit with each leaf's spec (test
+  fixture)."""
   import jax
   import numpy as np
   from qwix._src.core import qarray
+  from jsparse import quantized
   from jsparse._src.core.bits import np_to_bits
   flat_masters = plan.view.treedef.flatten_up_to(masters)
-  flat_held = plan.view.treedef.flatten_up_to(held)
-  for spec, master, node in zip(plan.view.specs, flat_masters, flat_held):
+  flat_synced = plan.view.treedef.flatten_up_to(quantized.unpack(synced))
+  for spec, master, node in zip(plan.view.specs, flat_masters, flat_synced):
     if spec is None:
       continue
     want = jax.jit(lambda x, spec=spec: qarray.quantize(x, spec.how()))(np.asarray(master))
-    for a, b in ((node.qvalue, want.qvalue), (node.scale, want.scale)):
-      if not np.array_equal(np_to_bits(np.asarray(a)), np_to_bits(np.asarray(b))):
+    pairs = [(node.qvalue, want.qvalue), (node.scale, want.scale.astype(spec.scale_dtype))]
+    if want.zero_point is not None:
+      pairs.append((node.zero_point, want.zero_point))
+    for a, b in pairs:
+      a, b = np.asarray(a), np.asarray(b)  # 4-bit codes: one a byte on the host
+      if a.dtype != b.dtype or not np.array_equal(np_to_bits(a), np_to_bits(b)):
         return False
   return True
 

@@ -34,6 +34,15 @@ def is_supported_dtype(dtype: np.dtype) -> bool:
   return dtype.itemsize in _UINT_BY_BYTES and bits == 8 * dtype.itemsize  # no int4, float4
 
 
+def is_four_bit(dtype: np.dtype) -> bool:
+  """Whether ``dtype`` is a 4-bit type (``int4``, ``uint4``, ``float4_e2m1fn``), which jsparse
+  carries two to a byte."""
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.iinfo(dtype).bits == 4
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 4
+
+
 def is_float(dtype: np.dtype) -> bool:
   """Whether ``dtype`` is a floating dtype (bfloat16 and float8 included)."""
   return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))

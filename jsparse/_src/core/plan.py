@@ -232,9 +232,10 @@ class Plan:
       PlanMismatchError: naming the first leaf whose structure, shape or dtype differs.
     """
     if self.view is not None and not rollout_only and self.view.matches(tree):
+      from jsparse._src.core.placement import place_on_plan_layouts  # placement imports plan
       source = Plan(self.view.treedef, self.view.leaves, (), self.bucket_size)
-      nodes = self.view.flat(source.flatten(tree, what=what))
-      return jax.tree.leaves(nodes)
+      flat = place_on_plan_layouts(source, source.flatten(tree, what=what), what=what)
+      tree = jax.tree.unflatten(self.view.treedef, self.view.flat(flat))  # checked below
     flat_with_path, treedef = jax.tree.flatten_with_path(tree)
     if treedef != self.treedef:
       raise PlanMismatchError(f"{what}: {self.structure_difference(tree)}")
@@ -460,9 +461,11 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
     quantize: leaves the rollout holds quantized (see :mod:`jsparse.quantized`): a preset such
       as ``jsparse.quantized.fp8_tiles()``, one ``Quantization`` / qwix ``HowToQuantize`` for
       every floating leaf of 2+ dimensions, or a function ``(path, ShapeDtypeStruct) -> spec |
-      None``, where a spec may also be a jittable quantizer ``array -> (codes, scales)``. Each
-      such leaf becomes a node of codes and scales (a qwix ``QArray``) that syncs bit for bit;
-      ``rollout_dtype`` applies to the other leaves.
+      None``, where a spec may also be a jittable quantizer ``array -> (codes, scales)`` (given
+      directly, it applies to every floating leaf of 2+ dimensions). Each such leaf becomes a
+      node of codes and scales (a qwix ``QArray``; a ``PackedQArray`` for 4-bit codes; what a
+      user quantizer returns) that syncs bit for bit; ``rollout_dtype`` applies to the other
+      leaves.
 
   Returns:
     A hashable :class:`Plan`.
@@ -493,8 +496,9 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
   if quantize is not None:
     from jsparse._src.quant.view import make_view  # qwix is imported for quantized plans only
     view = make_view(tree, quantize)
-    tree = view.shapes()
-    exact = view.quantized_paths()  # codes and scales: held as the quantizer makes them
+    if view is not None:
+      tree = view.shapes()
+      exact = view.quantized_paths()  # codes and scales: held as the quantizer makes them
   flat_with_path, treedef = jax.tree.flatten_with_path(tree)
   leaves = []
   for path, value in flat_with_path:

@@ -21,21 +21,22 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from jsparse._src.quant.spec import Quantization
 
 Rule = Callable[[str, jax.ShapeDtypeStruct], Quantization | None]
 
 
-def _rule(qtype: str, *, tiles: dict[int, int] | None = None, per_channel: bool = False,
-          scale_dtype: Any = None, calibration_method: str = "absmax") -> Rule:
+def _rule(name: str, qtype: str, *, tiles: dict[int, int] | None = None,
+          per_channel: bool = False, scale_dtype: Any = None,
+          calibration_method: str = "absmax") -> Rule:
   tiles = tiles or {}
 
   def rule(path: str, struct: jax.ShapeDtypeStruct) -> Quantization | None:
     del path
     ndim = len(struct.shape)
-    if ndim < 2 or not np.issubdtype(np.dtype(struct.dtype), np.floating):
+    if ndim < 2 or not jnp.issubdtype(struct.dtype, jnp.floating):  # bfloat16 included
       return None
     tiled = {a % ndim: t for a, t in tiles.items()}
     if any(struct.shape[a] % t for a, t in tiled.items()):
@@ -47,7 +48,7 @@ def _rule(qtype: str, *, tiles: dict[int, int] | None = None, per_channel: bool 
     return Quantization(qtype, tuple(channelwise), tuple(sorted(tiled.items())),
                         calibration_method, scale_dtype)
 
-  rule.__qualname__ = f"{qtype}_rule"
+  rule.__qualname__ = f"{name}({qtype})"
   return rule
 
 
@@ -58,7 +59,7 @@ def fp8_per_tensor(qtype: str = "float8_e4m3fn", *, scale_dtype: Any = None) -> 
   >>> fp8_per_tensor()("['w']", jax.ShapeDtypeStruct((4, 64, 32), jnp.float32)).channelwise_axes
   (0,)
   """
-  return _rule(qtype, scale_dtype=scale_dtype)
+  return _rule("fp8_per_tensor", qtype, scale_dtype=scale_dtype)
 
 
 def fp8_per_channel(qtype: str = "float8_e4m3fn", *, scale_dtype: Any = None) -> Rule:
@@ -68,7 +69,7 @@ def fp8_per_channel(qtype: str = "float8_e4m3fn", *, scale_dtype: Any = None) ->
   >>> fp8_per_channel()("['w']", jax.ShapeDtypeStruct((64, 32), jnp.float32)).channelwise_axes
   (1,)
   """
-  return _rule(qtype, per_channel=True, scale_dtype=scale_dtype)
+  return _rule("fp8_per_channel", qtype, per_channel=True, scale_dtype=scale_dtype)
 
 
 def fp8_tiles(tile: int = 128, qtype: str = "float8_e4m3fn", *, scale_dtype: Any = None) -> Rule:
@@ -78,7 +79,7 @@ def fp8_tiles(tile: int = 128, qtype: str = "float8_e4m3fn", *, scale_dtype: Any
   >>> fp8_tiles(64)("['w']", jax.ShapeDtypeStruct((128, 64), jnp.float32)).tiled_axes
   ((0, 64), (1, 64))
   """
-  return _rule(qtype, tiles={-2: tile, -1: tile}, scale_dtype=scale_dtype)
+  return _rule("fp8_tiles", qtype, tiles={-2: tile, -1: tile}, scale_dtype=scale_dtype)
 
 
 def mxfp8(*, scale_dtype: Any = None) -> Rule:
@@ -89,7 +90,7 @@ def mxfp8(*, scale_dtype: Any = None) -> Rule:
   >>> q.qtype, q.tiled_axes, q.channelwise_axes
   ('mxfp8', ((0, 32),), (1,))
   """
-  return _rule("mxfp8", tiles={-2: 32}, per_channel=True, scale_dtype=scale_dtype)
+  return _rule("mxfp8", "mxfp8", tiles={-2: 32}, per_channel=True, scale_dtype=scale_dtype)
 
 
 def mxfp4(*, scale_dtype: Any = None) -> Rule:
@@ -99,7 +100,7 @@ def mxfp4(*, scale_dtype: Any = None) -> Rule:
   >>> mxfp4()("['w']", jax.ShapeDtypeStruct((64, 16), jnp.float32)).packed
   True
   """
-  return _rule("mxfp4", tiles={-2: 32}, per_channel=True, scale_dtype=scale_dtype)
+  return _rule("mxfp4", "mxfp4", tiles={-2: 32}, per_channel=True, scale_dtype=scale_dtype)
 
 
 def nvfp4(*, scale_dtype: Any = None) -> Rule:
@@ -109,7 +110,7 @@ def nvfp4(*, scale_dtype: Any = None) -> Rule:
   >>> nvfp4()("['w']", jax.ShapeDtypeStruct((64, 16), jnp.float32)).tiled_axes
   ((0, 16),)
   """
-  return _rule("nvfp4", tiles={-2: 16}, per_channel=True, scale_dtype=scale_dtype)
+  return _rule("nvfp4", "nvfp4", tiles={-2: 16}, per_channel=True, scale_dtype=scale_dtype)
 
 
 def int8_per_channel(*, scale_dtype: Any = None, calibration_method: str = "absmax") -> Rule:
@@ -120,7 +121,7 @@ def int8_per_channel(*, scale_dtype: Any = None, calibration_method: str = "absm
   >>> int8_per_channel()("['b']", jax.ShapeDtypeStruct((16,), jnp.float32)) is None  # a vector
   True
   """
-  return _rule("int8", per_channel=True, scale_dtype=scale_dtype,
+  return _rule("int8_per_channel", "int8", per_channel=True, scale_dtype=scale_dtype,
                calibration_method=calibration_method)
 
 
@@ -131,7 +132,8 @@ def int4_tiles(tile: int = 128, *, scale_dtype: Any = None) -> Rule:
   >>> int4_tiles(32)("['w']", jax.ShapeDtypeStruct((64, 16), jnp.float32)).tiled_axes
   ((0, 32),)
   """
-  return _rule("int4", tiles={-2: tile}, per_channel=True, scale_dtype=scale_dtype)
+  return _rule("int4_tiles", "int4", tiles={-2: tile}, per_channel=True,
+               scale_dtype=scale_dtype)
 
 
 PRESETS: dict[str, Callable[[], Rule]] = {

@@ -20,7 +20,6 @@ Codes of 4-bit types (``int4``, ``mxfp4``, ``nvfp4``) are held two to a byte alo
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import flax.struct
@@ -30,6 +29,7 @@ import numpy as np
 from jax import lax
 from qwix._src.core import qarray as qwix_qarray
 
+from jsparse._src.core.bits import is_four_bit
 from jsparse._src.core.layout import Layout
 from jsparse._src.errors import ConfigError
 
@@ -53,8 +53,8 @@ class PackedQArray:
     packed: ``uint8`` codes, shape ``(..., n // 2)``: element ``2i`` in the low nibble (as
       ``lax.bitcast_convert_type`` lays out 4-bit types), ``2i + 1`` in the high one.
     scale: the scales, as qwix makes them.
-    zero_point: always None (4-bit types are quantized symmetrically here).
-    qtype: the logical type (``int4``, ``mxfp4`` or ``nvfp4``).
+    zero_point: always None (4-bit types are synced with symmetric calibration only).
+    qtype: the logical type, as qwix names it (``jnp.int4``, ``'mxfp4'`` or ``'nvfp4'``).
 
   >>> import jax.numpy as jnp
   >>> q = Quantization("int4").quantize(jnp.linspace(-1.0, 1.0, 8).reshape(2, 4))
@@ -87,6 +87,7 @@ def unpack_codes(packed: jax.Array, dtype: Any) -> jax.Array:
 
 def _code_dtype(qtype: Any) -> Any:
   return QTYPES[qtype if isinstance(qtype, str) else np.dtype(qtype).name]
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +128,13 @@ class Quantization:
     object.__setattr__(self, "qtype", qtype)
     object.__setattr__(self, "channelwise_axes", tuple(int(a) for a in self.channelwise_axes))
     tiled = self.tiled_axes.items() if isinstance(self.tiled_axes, dict) else self.tiled_axes
-    object.__setattr__(self, "tiled_axes", tuple((int(a), t) for a, t in tiled))
+    object.__setattr__(self, "tiled_axes", tuple(
+        (int(a), float(t) if isinstance(t, (float, np.floating)) else int(t)) for a, t in tiled))
     if self.scale_dtype is not None:
       object.__setattr__(self, "scale_dtype", np.dtype(self.scale_dtype))
-    method = self.calibration_method.lower().split(",")[0]
-    if method not in _CALIBRATIONS:
+    method = "".join(self.calibration_method.lower().split())  # one spelling, one fingerprint
+    object.__setattr__(self, "calibration_method", method)
+    if self.method not in _CALIBRATIONS:
       raise ConfigError(f"unsupported calibration_method {self.calibration_method!r}: one of "
                         f"{_CALIBRATIONS} (with qwix's arguments)")
 
@@ -150,29 +153,58 @@ class Quantization:
                how.calibration_method, scale_dtype)
 
   @property
+  def method(self) -> str:
+    """The calibration method's name (``absmax``, ``minmax``, ``fixed`` or ``rms``)."""
+    return self.calibration_method.split(",")[0]
+
+  @property
+  def method_args(self) -> list[float]:
+    """The calibration method's arguments (a factor, or a fixed range)."""
+    try:
+      return [float(a) for a in self.calibration_method.split(",")[1:]]
+    except ValueError:
+      raise ConfigError(f"calibration_method {self.calibration_method!r}: its arguments must be "
+                        "numbers") from None
+
+  @property
+  def has_zero_point(self) -> bool:
+    """Whether qwix makes zero points (asymmetric calibration: ``minmax``, or an asymmetric
+    ``fixed`` range)."""
+    args = self.method_args
+    return self.method == "minmax" or (self.method == "fixed" and len(args) == 2
+                                       and args[0] + args[1] != 0)
+
+  @property
+  def qwix_qtype(self) -> Any:
+    """The qtype as qwix takes it (a name for the MX/NV formats, else the dtype)."""
+    return self.qtype if self.qtype in _NAMED else QTYPES[self.qtype]
+
+  @property
   def code_dtype(self) -> np.dtype:
     return np.dtype(QTYPES[self.qtype])
 
   @property
   def packed(self) -> bool:
     """Whether codes are 4-bit and held two to a byte."""
-    return self.code_dtype.itemsize == 1 and _bits(self.code_dtype) == 4
+    return is_four_bit(self.code_dtype)
 
   def how(self) -> Any:
     """qwix's ``HowToQuantize`` for this spec."""
-    qtype = self.qtype if self.qtype in _NAMED else QTYPES[self.qtype]
-    return qwix_qarray.HowToQuantize(qtype=qtype, channelwise_axes=self.channelwise_axes,
+    return qwix_qarray.HowToQuantize(qtype=self.qwix_qtype,
+                                     channelwise_axes=self.channelwise_axes,
                                      tiled_axes=dict(self.tiled_axes),
                                      calibration_method=self.calibration_method)
 
   def for_leaf(self, path: str, shape: tuple[int, ...], dtype: np.dtype,
                layout: Layout | None) -> "Quantization":
-    """This spec resolved for one leaf (axes made non-negative, tile sizes integers), checked
-    against its shape and its blocks over the trainer's mesh.
+    """This spec resolved for one leaf (axes made non-negative and sorted, tile sizes
+    integers, the scale dtype named), checked against its shape and its blocks over the
+    trainer's mesh, and traced once (abstractly) with qwix.
 
     Raises:
       ConfigError: naming the leaf, for an axis out of range, a tile size that does not divide
-        its axis, a tile split across devices, odd 4-bit rows, or a non-float leaf.
+        its axis, a tile split across devices, odd 4-bit rows, a 4-bit zero point, a non-float
+        leaf, or a calibration qwix refuses.
     """
     ndim = len(shape)
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -192,19 +224,20 @@ class Quantization:
         raise ConfigError(f"leaf {path}: tile size {tile} does not divide axis {a} of shape "
                           f"{shape}")
       tiled.append((a, size))
-    resolved = dataclasses.replace(self, channelwise_axes=channelwise, tiled_axes=tuple(tiled))
-    try:
-      resolved.how()
-      qwix_qarray.get_scale_shape(shape, resolved.how())
-    except ValueError as e:
-      raise ConfigError(f"leaf {path}: {e}") from None
+    resolved = dataclasses.replace(self, channelwise_axes=channelwise,
+                                   tiled_axes=tuple(sorted(tiled)),
+                                   scale_dtype=np.dtype(self.scale_dtype or dtype))
     if self.packed:
-      if resolved.calibration_method.split(",")[0] == "minmax":
+      if resolved.has_zero_point:
         raise ConfigError(f"leaf {path}: {self.qtype} is synced with symmetric calibration only "
                           "(a 4-bit zero point cannot be packed)")
       if not shape or shape[-1] % 2:
         raise ConfigError(f"leaf {path}: {self.qtype} codes are packed two to a byte along the "
                           f"last axis, which must be even (shape {shape})")
+    try:
+      jax.eval_shape(resolved.quantize, jax.ShapeDtypeStruct(shape, dtype))
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"leaf {path}: qwix cannot quantize it as {resolved}: {e}") from None
     if layout is not None:
       resolved._check_blocks(path, shape, layout)
     return resolved
@@ -220,17 +253,28 @@ class Quantization:
     if self.packed and block[-1] % 2:
       raise ConfigError(f"leaf {path}: {self.qtype} codes are packed in pairs along the last "
                         f"axis, but the trainer's blocks hold {block[-1]} (odd) of it")
-    method, *args = self.calibration_method.lower().split(",")
-    split_reduced = [a for a in self._reduced_axes(len(shape)) if layout.parts[a] > 1]
-    if split_reduced and (method == "rms" or any(float(x) < 0 for x in args[:1])):
+    split_reduced = [a for a in self.reduced_axes(len(shape)) if layout.parts[a] > 1]
+    if self.method == "rms" or (split_reduced and self.method != "fixed"
+                                and any(x < 0 for x in self.method_args[:1])):
       raise ConfigError(
-          f"leaf {path}: calibration {self.calibration_method!r} reduces axes {split_reduced} "
-          "that the trainer splits over devices, and is not exact when finished across them; "
-          "use absmax or minmax (non-negative factors), or do not split those axes")
+          f"leaf {path}: calibration {self.calibration_method!r} is not exact when each device "
+          "calibrates its own block; use absmax or minmax (non-negative factors) or a fixed "
+          "range, or do not split the leaf")
 
-  def _reduced_axes(self, ndim: int) -> list[int]:
+  def reduced_axes(self, ndim: int) -> list[int]:
+    """The axes the calibration reduces over (neither channelwise nor tiled)."""
     tiled = dict(self.tiled_axes)
     return [a for a in range(ndim) if a not in self.channelwise_axes and a not in tiled]
+
+  def scale_spec(self, layout: Layout) -> jax.sharding.PartitionSpec:
+    """How the scales (and zero points) of a leaf split over ``layout`` are split: along the
+    split axes that have a scale per index or per tile; whole along the reduced ones, and
+    everywhere for a fixed range (qwix makes it per tensor)."""
+    ndim = len(layout.dim_axes)
+    reduced = self.reduced_axes(ndim)
+    return jax.sharding.PartitionSpec(*[
+        None if self.method == "fixed" or a in reduced or not layout.dim_axes[a]
+        else layout.spec[a] for a in range(ndim)])
 
   def quantize(self, x: jax.Array) -> QArray | PackedQArray:
     """Quantizes a whole leaf, exactly as qwix (the reference)."""
@@ -239,48 +283,31 @@ class Quantization:
   def quantize_blocks(self, x: jax.Array, layout: Layout) -> QArray | PackedQArray:
     """Quantizes a leaf split over ``layout``'s mesh where its blocks are, with the same bits as
     :meth:`quantize` on the whole leaf."""
-    reduced = self._reduced_axes(x.ndim)
-    mesh_axes = tuple(m for a in reduced for m in layout.dim_axes[a])
-    scale_spec = jax.sharding.PartitionSpec(*[
-        None if a in reduced or not layout.dim_axes[a] else layout.spec[a]
-        for a in range(x.ndim)])
+    mesh_axes = tuple(m for a in self.reduced_axes(x.ndim) for m in layout.dim_axes[a])
 
     def block(xb: jax.Array):
       calibration = qwix_qarray.calibrate(xb, self.how())
-      if mesh_axes:
+      if mesh_axes and self.method != "fixed":  # max and min are exact across devices
         calibration = {k: (lax.pmin if k == "min" else lax.pmax)(v, mesh_axes)
                        for k, v in calibration.items()}
       return self._finish(xb, calibration)
 
-    out_specs = self._node(layout.spec, scale_spec, scale_spec)
-    return layout.shard_map(block, in_specs=(layout.spec,), out_specs=out_specs)(x)
+    scale = self.scale_spec(layout)
+    return layout.shard_map(block, in_specs=(layout.spec,),
+                            out_specs=self._node(layout.spec, scale, scale))(x)
 
   def _finish(self, x: jax.Array, calibration: dict) -> QArray | PackedQArray:
-    how = self.how()
-    scale, zero_point = qwix_qarray.compute_scale_zero_point(calibration, how.qtype)
-    q = qwix_qarray.quantize_with_scale_zero_point(x, how.qtype, scale, zero_point)
+    scale, zero_point = qwix_qarray.compute_scale_zero_point(calibration, self.qwix_qtype)
+    q = qwix_qarray.quantize_with_scale_zero_point(x, self.qwix_qtype, scale, zero_point)
     scale = q.scale if self.scale_dtype is None else q.scale.astype(self.scale_dtype)
     return self._node(q.qvalue, scale, q.zero_point)
 
   def _node(self, codes: Any, scale: Any, zero_point: Any) -> QArray | PackedQArray:
-    has_zero = self.calibration_method.lower().split(",")[0] == "minmax" or (
-        self.calibration_method.lower().startswith("fixed") and _asymmetric_fixed(self))
-    zero_point = zero_point if has_zero else None
+    zero_point = zero_point if self.has_zero_point else None
     if self.packed:
       packed = pack_codes(codes) if isinstance(codes, jax.Array) else codes
-      return PackedQArray(packed, scale, zero_point, self.qtype)
-    qtype = self.qtype if self.qtype in _NAMED else QTYPES[self.qtype]
-    return QArray(codes, scale, zero_point, qtype)
-
-
-def _asymmetric_fixed(q: Quantization) -> bool:
-  args = [float(a) for a in q.calibration_method.split(",")[1:]]
-  return len(args) == 2 and args[0] + args[1] != 0
-
-
-def _bits(dtype: np.dtype) -> int:
-  info = jnp.iinfo(dtype) if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype)
-  return int(info.bits)
+      return PackedQArray(packed, scale, zero_point, self.qwix_qtype)
+    return QArray(codes, scale, zero_point, self.qwix_qtype)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -288,9 +315,3 @@ def _dtype_name(dtype: Any) -> str:
     return np.dtype(dtype).name
   except TypeError:
     return repr(dtype)
-
-
-def scale_bytes(shape: tuple[int, ...], q: Quantization, dtype: np.dtype) -> int:
-  """Bytes of the scales of a leaf of ``shape`` (as the rollout holds them)."""
-  scale_shape = qwix_qarray.get_scale_shape(shape, q.how())
-  return math.prod(scale_shape) * np.dtype(q.scale_dtype or dtype).itemsize

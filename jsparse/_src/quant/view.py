@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import marshal
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
+from qwix._src.core.qarray import HowToQuantize as QArrayHow
 
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.layout import Layout, no_context_mesh
@@ -79,41 +83,46 @@ class RolloutView:
 
   def description(self) -> list:
     """What the plan's fingerprint hashes: per leaf, its quantization (a user function by its
-    module and name)."""
-    return [spec if spec is None or isinstance(spec, Quantization)
-            else f"{getattr(spec, '__module__', '?')}.{getattr(spec, '__qualname__', '?')}"
+    module, name and a hash of its code)."""
+    return [spec if spec is None or isinstance(spec, Quantization) else _describe(spec)
             for spec in self.specs]
+
+  @functools.cached_property
+  def _nodes(self) -> list:
+    return [_shape_of(spec, leaf) for spec, leaf in zip(self.specs, self.leaves)]
 
   def quantized_paths(self) -> frozenset[str]:
     """Paths (``keystr``) of the view's leaves that a quantizer makes: codes and scales are held
     exactly as made (the plan's rollout dtype does not apply to them)."""
-    nodes = [_shape_of(self, spec, leaf) if spec is not None else None
-             for spec, leaf in zip(self.specs, self.leaves)]
-    tree = jax.tree.unflatten(self.treedef, [n if n is not None else 0 for n in nodes])
-    flat = jax.tree.flatten_with_path(tree)[0]
+    nodes = [n if spec is not None else 0 for spec, n in zip(self.specs, self._nodes)]
+    flat = jax.tree.flatten_with_path(jax.tree.unflatten(self.treedef, nodes))[0]
     return frozenset(jax.tree_util.keystr(path) for path, x in flat
                      if isinstance(x, jax.ShapeDtypeStruct))
 
   def shapes(self) -> PyTree:
     """The view's tree of ``jax.ShapeDtypeStruct``, each with the sharding the view program
     gives it (what the plan is made from)."""
-    nodes = [_shape_of(self, spec, leaf) for spec, leaf in zip(self.specs, self.leaves)]
-    return jax.tree.unflatten(self.treedef, nodes)
+    return jax.tree.unflatten(self.treedef, self._nodes)
 
 
-def _shape_of(view: RolloutView, spec: Any, leaf: LeafSpec) -> Any:
+def _describe(fn: Callable) -> str:
+  code = getattr(fn, "__code__", None)
+  digest = hashlib.blake2b(marshal.dumps(code), digest_size=8).hexdigest() if code else ""
+  return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}" \
+      f"#{digest}"
+
+
+def _shape_of(spec: Any, leaf: LeafSpec) -> Any:
   struct = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
   if spec is None:
     sharding = (NamedSharding(leaf.layout.mesh, leaf.layout.spec) if leaf.layout else None)
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-  if not isinstance(spec, Quantization):
+  if not isinstance(spec, Quantization):  # a user quantizer runs on the whole leaf
     return jax.eval_shape(spec, struct)
   shapes = jax.eval_shape(spec.quantize, struct)
   if leaf.layout is None:
     return shapes
-  reduced = spec._reduced_axes(len(leaf.shape))
-  scale_spec = PartitionSpec(*[None if a in reduced or not leaf.layout.dim_axes[a]
-                               else leaf.layout.spec[a] for a in range(len(leaf.shape))])
+  scale_spec = spec.scale_spec(leaf.layout)
   specs = spec._node(leaf.layout.spec, scale_spec, scale_spec)
   return jax.tree.map(
       lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype,
@@ -136,8 +145,9 @@ def _quantize_leaf(spec: Any, leaf: LeafSpec, x: jax.Array) -> Any:
   return spec.quantize(x)
 
 
-def make_view(tree: PyTree, quantize: QuantizeOption) -> RolloutView:
-  """The rollout view of ``tree`` under ``quantize`` (see ``make_plan``).
+def make_view(tree: PyTree, quantize: QuantizeOption) -> RolloutView | None:
+  """The rollout view of ``tree`` under ``quantize`` (see ``make_plan``); None when it
+  quantizes no leaf.
 
   Raises:
     ConfigError: naming the leaf, for a spec that does not fit it (see
@@ -148,7 +158,8 @@ def make_view(tree: PyTree, quantize: QuantizeOption) -> RolloutView:
   leaves, specs = [], []
   for path, value in flat_with_path:
     name = jax.tree_util.keystr(path)
-    dtype = np.dtype(getattr(value, "dtype", None) or np.asarray(value).dtype)
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(
+        getattr(value, "dtype", None) or np.asarray(value).dtype))  # as JAX holds it
     leaf = LeafSpec(name, tuple(np.shape(value)), dtype, dtype,
                     Layout.of(getattr(value, "sharding", None), tuple(np.shape(value))))
     spec = _spec_for(quantize, leaf)
@@ -156,6 +167,8 @@ def make_view(tree: PyTree, quantize: QuantizeOption) -> RolloutView:
       _check_user_quantizer(spec, leaf, value)
     leaves.append(leaf)
     specs.append(spec)
+  if all(spec is None for spec in specs):
+    return None
   return RolloutView(treedef, tuple(leaves), tuple(specs))
 
 
@@ -163,7 +176,7 @@ def _spec_for(quantize: QuantizeOption, leaf: LeafSpec) -> Quantization | Callab
   struct = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
   if callable(quantize) and _takes_two(quantize):
     spec = quantize(leaf.path, struct)
-  elif len(leaf.shape) >= 2 and np.issubdtype(leaf.dtype, np.floating):
+  elif len(leaf.shape) >= 2 and jnp.issubdtype(leaf.dtype, jnp.floating):
     spec = quantize  # one spec for every floating matrix
   else:
     spec = None
@@ -184,7 +197,7 @@ def _spec_for(quantize: QuantizeOption, leaf: LeafSpec) -> Quantization | Callab
 
 
 def _is_how(x: Any) -> bool:
-  return type(x).__name__ == "HowToQuantize"
+  return isinstance(x, QArrayHow)
 
 
 def _takes_two(fn: Callable) -> bool:
@@ -209,7 +222,9 @@ def _check_user_quantizer(fn: Callable, leaf: LeafSpec, value: Any) -> None:
     if not bits_lib.is_supported_dtype(s.dtype):
       raise ConfigError(f"leaf {leaf.path}: the quantizer returns {s.dtype}; jsparse syncs "
                         "arrays of 1-8 byte dtypes (pack 4-bit codes two to a byte)")
-  probe = value if isinstance(value, (jax.Array, np.ndarray)) else \
+  concrete = isinstance(value, np.ndarray) or (
+      isinstance(value, jax.Array) and value.is_fully_addressable)
+  probe = value if concrete else \
       np.random.default_rng(0).standard_normal(leaf.shape).astype(leaf.dtype)
   first, second = (jax.jit(lambda x: fn(x))(probe) for _ in range(2))  # noqa: PLW0108 -- retraced
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):

@@ -17,11 +17,13 @@ True
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
+from jsparse._src.core.bits import is_four_bit
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import PlanMismatchError
 from jsparse._src.pytree import PyTree
@@ -85,9 +87,10 @@ class RolloutStructure:
     four_bit = []
     for (path, want), (rpath, x) in zip(planned, held):
       shape, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
-      packs = (want.dtype == np.uint8 and dtype.itemsize == 1 and _is_four_bit(dtype)
+      packs = (want.dtype == np.uint8 and is_four_bit(dtype)
                and shape[:-1] == want.shape[:-1] and shape[-1:] == (2 * want.shape[-1],))
-      if not packs and (shape != want.shape or dtype != want.dtype):
+      if (_named(jax.tree_util.keystr(path)) != _named(jax.tree_util.keystr(rpath))
+          or not packs and (shape != want.shape or dtype != want.dtype)):
         raise PlanMismatchError(
             f"jsparse.tunix: the plan's rollout leaf {jax.tree_util.keystr(path)} "
             f"{want.dtype}{list(want.shape)} does not match the rollout's "
@@ -99,7 +102,7 @@ class RolloutStructure:
     """The rollout's state as the plan's rollout tree (the same arrays; 4-bit codes packed)."""
     if self.identity:
       return rollout_state
-    from jsparse._src.quant.spec import pack_codes
+    from jsparse._src.quant.spec import pack_codes  # qwix: only with a quantized plan
     leaves = [x if d is None else pack_codes(x)
               for x, d in zip(jax.tree.leaves(rollout_state), self.four_bit)]
     return jax.tree.unflatten(self.view, leaves)
@@ -114,5 +117,10 @@ class RolloutStructure:
     return jax.tree.unflatten(self.rollout, leaves)
 
 
-def _is_four_bit(dtype: np.dtype) -> bool:
-  return dtype.name in ("int4", "uint4", "float4_e2m1fn")
+def _named(path: str) -> str:
+  """A leaf's path with the nodes that only box it removed (``.value`` of an nnx Variable, a
+  qwix PTQ weight's ``['array']``) and fields as keys: the plan's ``['w'].value.qvalue`` and a
+  PTQ model's ``['w']['array']['qvalue'].value`` both read ``['w']['qvalue']``."""
+  path = re.sub(r"\['array'\]|\.value\b", "", path)
+  path = re.sub(r"\.packed\b", ".qvalue", path)
+  return re.sub(r"\.(\w+)", r"['\1']", path)
