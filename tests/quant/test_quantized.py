@@ -528,3 +528,29 @@ def test_quantized_plans_fingerprint_their_quantization():
   assert jsparse.make_plan(tree, quantize=lambda p, s: None).view is None  # nothing quantized
   again = pickle.loads(pickle.dumps(a))  # e.g. sent to another process
   assert again == a and again.fingerprint == a.fingerprint
+
+
+def test_a_rollout_tree_of_another_structure_maps_leaf_for_leaf_with_4bit_codes_unpacked():
+  """How a qwix PTQ model holds a weight (``['w']['array']['qvalue']``, 4-bit codes one per
+  element) against the plan's tree (``['w']`` a PackedQArray): the same leaves, mapped both ways;
+  a leaf of another name or shape is refused, named."""
+  from jsparse._src.tunix.quantized import RolloutStructure
+  tree = {"w": masters(15)["w"], "b": masters(15)["b"]}
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, quantize=quantized.int4_tiles(64))
+  held = quantized.unpack(plan.cast(tree))
+  ptq_like = {"b": held["b"], "w": {"array": {"qvalue": held["w"].qvalue,
+                                              "scale": held["w"].scale}}}
+  structure = RolloutStructure.of(plan, ptq_like)
+  assert not structure.identity
+  as_plan = structure.to_view(ptq_like)
+  assert_trees_bitwise_equal(as_plan, plan.cast(tree))
+  back = structure.to_rollout(as_plan)
+  assert jax.tree.structure(back) == jax.tree.structure(ptq_like)
+  np.testing.assert_array_equal(code_bits(back["w"]["array"]["qvalue"]),
+                                code_bits(ptq_like["w"]["array"]["qvalue"]))
+  renamed = {"b": held["b"], "v": ptq_like["w"]}
+  with pytest.raises(jsparse.PlanMismatchError, match=r"\['w'\].packed.*\['v'\]"):
+    RolloutStructure.of(plan, renamed)
+  short = {"b": held["b"][:-1], "w": ptq_like["w"]}
+  with pytest.raises(jsparse.PlanMismatchError, match=r"\['b'\]"):
+    RolloutStructure.of(plan, short)
