@@ -54,6 +54,22 @@ def test_bitpack_keeps_full_width_values():
   np.testing.assert_array_equal(np.asarray(bitpack.unpack(widths, words, 80, 80)), values)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_rank_order_sorts_distinct_ranks_like_a_stable_argsort(data):
+  size = data.draw(st.integers(1, 300))
+  ranks = np.array(data.draw(st.lists(st.integers(0, size - 1), max_size=size, unique=True)),
+                   np.int32)
+  used = np.array(data.draw(st.lists(st.booleans(), min_size=len(ranks), max_size=len(ranks))),
+                  bool)
+  order = np.asarray(device_codes.rank_order(jnp.asarray(ranks, jnp.int32),
+                                             jnp.asarray(used), size))
+  expected = np.full(len(ranks), -1)
+  mine = np.flatnonzero(used)
+  expected[mine[np.argsort(ranks[mine], kind="stable")]] = np.arange(len(mine))
+  np.testing.assert_array_equal(order, expected)
+
+
 def _special_tree():
   tree = {}
   for name, dtype in (("bf", jnp.bfloat16), ("f32", jnp.float32), ("f16", jnp.float16)):

@@ -7,8 +7,8 @@ key, then each key minus the previous minus 1) and the *value codes* (the ulp co
 old bits, zigzagged, minus 1: a changed element's code is never 0; 64-bit dtypes give two
 32-bit values per change, low half first). A segment is one run, except a leaf the trainer
 splits into blocks, where each block's changes are a run of their own (ascending within the
-block). Ranks come from the diff in position order; a stable counting sort by exponent class
-(a one-hot prefix sum over 16 classes) puts them in ascending order. The receiver's
+block). Ranks come from the diff in position order; a bitmap of the ranks and prefix
+popcounts over its words put them in ascending order (:func:`rank_order`). The receiver's
 :func:`unpack_program` inverts this and checks every key (in range, ascending) and code (fits
 the dtype) on the device, returning one flag, so the host never touches a change.
 
@@ -33,8 +33,6 @@ from jax import lax
 from jsparse._src.core import bitpack
 from jsparse._src.core.plan import LeafSpec, Plan, Segment
 from jsparse._src.wire import ulp_codes
-
-NUM_CLASSES = ulp_codes.NUM_CLASSES
 
 
 def values_per_change(seg: Segment) -> int:
@@ -75,24 +73,26 @@ def _from_words(words: jax.Array, bit_dtype: np.dtype) -> jax.Array:
   return words[:, 0].astype(bit_dtype) | (words[:, 1].astype(bit_dtype) << 32)
 
 
-def class_order(classes: jax.Array, used: jax.Array) -> jax.Array:
-  """Where each used entry goes when ``used`` entries are sorted stably by ``classes`` (0..15):
-  a counting sort, one prefix sum per class (16, whatever the entries; no sort op), with
-  temporaries of a few bytes per entry.
+def rank_order(ranks: jax.Array, used: jax.Array, size: int) -> jax.Array:
+  """Where each used entry goes when the used entries are sorted by their ranks (distinct, in
+  ``[0, size)``); -1 for unused entries. No sort: the ranks are set in a bitmap of ``size``
+  bits (a scatter-add of one bit each: distinct bits, so adding is or-ing), and an entry's
+  place is the number of set bits below its own (a prefix sum of the words' popcounts, plus a
+  popcount in its word). The work is one pass over ``size / 32`` words and a few per entry.
 
   >>> import jax.numpy as jnp
-  >>> class_order(jnp.array([3, 0, 3, 1]), jnp.array([True, True, True, False])).tolist()
-  [1, 0, 2, -1]
+  >>> rank_order(jnp.array([40, 3, 7, 0]), jnp.array([True, True, True, False]), 64).tolist()
+  [2, 0, 1, -1]
   """
-  cls = classes.astype(jnp.int32)
-  dest = jnp.full(cls.shape, -1, jnp.int32)
-  below = jnp.int32(0)
-  for c in range(NUM_CLASSES):
-    mine = (cls == c) & used
-    running = jnp.cumsum(mine.astype(jnp.int32))
-    dest = jnp.where(mine, below + running - 1, dest)
-    below = below + (running[-1] if cls.shape[0] else 0)
-  return dest
+  num_words = max(1, -(-size // 32))
+  ranks = jnp.where(used, ranks, size).astype(jnp.int32)
+  word, bit = ranks >> 5, (ranks & 31).astype(jnp.uint32)
+  bitmap = jnp.zeros((num_words,), jnp.uint32).at[word].add(jnp.uint32(1) << bit, mode="drop")
+  counts = lax.population_count(bitmap).astype(jnp.int32)
+  below_word = jnp.cumsum(counts) - counts
+  word = jnp.minimum(word, num_words - 1)
+  below_bit = lax.population_count(bitmap[word] & ((jnp.uint32(1) << bit) - 1))
+  return jnp.where(used, below_word[word] + below_bit.astype(jnp.int32), -1)
 
 
 def _gaps(keys: jax.Array) -> jax.Array:
@@ -117,7 +117,7 @@ def _segment_entries(seg: Segment, ranked: bool, keys: jax.Array, new: jax.Array
     return _gaps(shaped).reshape(-1), codes[:index.shape[0]], index
   used = jnp.arange(keys.shape[0], dtype=jnp.int32) < count
   if ranked and seg.ordered:  # ranks, in position order: ascending once sorted by class
-    order = class_order(ulp_codes.exponent_class(old, seg.dtype, jnp), used)
+    order = rank_order(keys, used, seg.size)
   else:
     order = jnp.arange(keys.shape[0], dtype=jnp.int32)
   order = jnp.where(used, order, keys.shape[0])
