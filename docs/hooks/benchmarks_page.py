@@ -314,11 +314,20 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
   if r.get("packed_estimate"):
     v["packed_estimate_table"] = lambda: _rows(
         ["model", "link", "payload", "device passes", "host", "wire", "sparse", "dense bf16",
-         "dense / sparse"],
+         "dense / sparse", "dense / sparse, one host"],
         [[_params(x["params"]), f"{x['link_gbit']:g} Gbit/s", _mb(x["payload_bytes"]),
-          f"{x['device']:.2f} s", f"{x['host']:.3f} s", f"{x['wire']:.2f} s",
-          f"{x['sparse']:.2f} s", f"{x['dense']:.2f} s", f"{x['dense'] / x['sparse']:.1f}x"]
+          f"{x['device']:.3f} s", f"{x['host']:.3f} s", f"{x['wire']:.3f} s",
+          f"{x['sparse']:.3f} s", f"{x['dense']:.2f} s", f"{x['dense'] / x['sparse']:.1f}x",
+          f"{x['dense'] / x['sparse_one_host']:.1f}x"]
          for x in r["packed_estimate"]])
+  if r.get("packed_host_rate"):
+    h = r["packed_host_rate"]
+    v["packed_host_rate"] = lambda: (
+        f"{h['params'] / 1e6:,.0f}M parameters, {_n(h['changed'])} changes, a {_mb(h['bytes'])} "
+        f"payload: host encode {1e3 * h['host_encode']:.1f} ms and decode "
+        f"{1e3 * h['host_decode']:.1f} ms, {1e9 * h['per_byte']:.2f} ns per payload byte, "
+        f"{h['per_byte'] * h['bytes'] / h['bytes_floor']:.2f}x the time to copy its bytes off "
+        f"the device, checksum them and copy them back ({1e3 * h['bytes_floor']:.1f} ms)")
   if r.get("estimate"):
     est = r["estimate"]
     v["estimate_basis"] = lambda: (

@@ -40,10 +40,11 @@ from typing import Any, Callable, Iterator, Sequence
 FULL = dict(dim=512, depth=6, vocab=8192, steps=8, pretrain_steps=300, repeats=5,
             leaf_counts=[100, 1000, 10000], threads=[1, 2],
             scale_params=[25_000_000, 100_000_000, 250_000_000, 1_000_000_000], scale_width=1024,
-            scale_stages=True, device_params=1_000_000_000)
+            scale_stages=True, device_params=1_000_000_000, host_rate_params=250_000_000)
 QUICK = dict(dim=128, depth=1, vocab=1024, steps=4, pretrain_steps=30, repeats=2,
              leaf_counts=[8], threads=[1, 2], scale_params=[3_000_000, 6_000_000],
-             scale_width=512, scale_stages=False, device_params=3_000_000)
+             scale_width=512, scale_stages=False, device_params=3_000_000,
+             host_rate_params=10_000_000)
 PARTS = ("sync", "storage", "link", "scale", "memory", "quantized", "tunix", "device")
 SCHEMA = 1  # the JSON file's layout version
 
@@ -96,6 +97,9 @@ def _parser(defaults: dict = FULL) -> argparse.ArgumentParser:
       help="model sizes of the scaling table")
   add("--scale-width", type=int, default=defaults["scale_width"],
       help="layer width of the scaling table's trees")
+  add("--host-rate-params", type=int, default=defaults["host_rate_params"],
+      help="parameters of the tree whose payload times the packed coding's host stages per "
+           "byte for the estimate")
   add("--scale-stages", action=argparse.BooleanOptionalAction, default=defaults["scale_stages"],
       help="time the four stages of a sync and their floors at every size of the scaling table")
   return parser
@@ -176,7 +180,7 @@ def _tables(args: argparse.Namespace) -> list[str]:
   if only in (None, "storage"):
     names.append("storage")
   if only in (None, "scale"):
-    names += ["estimate", "coding"]
+    names += ["host_rate", "estimate", "coding"]
     names += [f"scaling {p / 1e6:g}M" for p in args.scale_params]
     names += [f"compile {n} leaves" for n in args.leaf_counts]
   if only in (None, "scale", "memory"):
@@ -288,6 +292,9 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
       results["storage"] = storage.compare_storage(plan, states)
       storage.print_storage(plan, results["storage"])
   if args.only in (None, "scale"):
+    with table("host_rate"):
+      results["packed_host_rate"] = scale.packed_host_rate(args.host_rate_params, args.repeats)
+      scale.print_packed_host_rate(results["packed_host_rate"])
     with table("estimate"):
       compact, core = results["sync"]["methods"][sync.METHODS[4]], results["sync"]["core"]
       changed = results["sync"]["steps"][results["sync"]["step"] - 1]["changed"]
@@ -301,8 +308,8 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
       packed = results["sync"]["methods"][sync.METHODS[6]]
       floors = {"compare-and-count": core["compare-and-count (floor)"][0],
                 "dense copy": core["dense bf16 copy"][0]}
-      results["packed_estimate"] = scale.packed_estimate(packed, changed, plan.num_elements,
-                                                         floors)
+      results["packed_estimate"] = scale.packed_estimate(
+          packed, changed, floors, host_per_byte=results["packed_host_rate"]["per_byte"])
       scale.print_packed_estimate(results["packed_estimate"])
     with table("coding"):
       step = results["sync"]["step"]

@@ -11,8 +11,8 @@ side in one run:
   the TinyLM step nearest 1%, and of the packed, ranked, lists and dense methods on a layered
   tree of ``large_params`` parameters after one RL-like step;
 - a ``jax.profiler`` trace of one packed sync, in ``out_dir/trace``;
-- the 7B and 70B estimate at 1% over 10 and 100 Gbit/s from the device passes timed here
-  (:func:`~jsparse.benchmarks.scale.packed_estimate`).
+- the 7B and 70B estimate at 1% over 10 and 100 Gbit/s from the device passes timed here and
+  the host stages of the large tree's payload (:func:`~jsparse.benchmarks.scale.packed_estimate`).
 
 >>> import jax.numpy as jnp, jsparse
 >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, rollout_dtype=jnp.bfloat16)
@@ -22,7 +22,6 @@ side in one run:
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -33,7 +32,6 @@ import jax.numpy as jnp
 
 import jsparse
 from jsparse.benchmarks import scale, sync
-from jsparse.benchmarks.scale import LEAVES_PER_LAYER, layered_tree, rl_like_update
 from jsparse.examples import workload
 
 LARGE_METHODS = (sync.METHODS[0], sync.METHODS[1], sync.METHODS[3], sync.METHODS[4],
@@ -67,15 +65,6 @@ def _step_tables(plan: jsparse.Plan, before: Any, after: Any, repeats: int,
     r["e2e"] = {g: r["encode"] + r["bytes"] * 8 / (g * 1e9) + r["apply"]
                 for g in sync.LINKS_GBIT}
   return rows
-
-
-def _large_step(params: int, seed: int = 0) -> tuple[jsparse.Plan, Any, Any]:
-  width = 1024 if params >= 50_000_000 else 128
-  layers = max(1, round(params / (12 * width * width + 2 * width)))
-  before = layered_tree(layers * LEAVES_PER_LAYER, width, seed)
-  step = jax.jit(functools.partial(rl_like_update, xp=jnp), static_argnums=1)
-  after = jax.block_until_ready(step(before, 1))
-  return jsparse.make_plan(before, rollout_dtype=jnp.bfloat16, capacity=0.05), before, after
 
 
 def run(out_dir: str | None = "jsparse-device-benchmark", *, dim: int = 512, depth: int = 6,
@@ -126,7 +115,7 @@ def run(out_dir: str | None = "jsparse-device-benchmark", *, dim: int = 512, dep
     receiver = jsparse.Receiver(plan, plan.cast(before))
     with jax.profiler.trace(os.path.join(out_dir, "trace")):
       jax.block_until_ready(receiver.receive(sender.send(after)))
-  large_plan, before, after = _large_step(large_params)
+  large_plan, before, after = scale.large_step(large_params)
   large = _step_tables(large_plan, before, after, max(1, repeats // 2),
                        [m for m in LARGE_METHODS if m in methods])
   rows["large"] = {"params": large_plan.num_elements, "methods": large}
@@ -138,7 +127,11 @@ def run(out_dir: str | None = "jsparse-device-benchmark", *, dim: int = 512, dep
   n = plan.num_elements
   measured = ((packed["diff"] + packed["device_pack"]) / n,
               (packed["device_unpack"] + packed["device_apply"]) / n)
-  rows["estimate"] = scale.packed_estimate(packed, changed, n, {}, per_param=measured)
+  large_packed = large[sync.METHODS[6]]
+  rows["estimate"] = scale.packed_estimate(
+      packed, changed, {}, per_param=measured,
+      host_per_byte=(large_packed["host_encode"] + large_packed["host_decode"])
+      / large_packed["bytes"])
   if echo:
     print()
     scale.print_packed_estimate(rows["estimate"])

@@ -261,44 +261,104 @@ def estimate(compact: dict, changed: int, device_ratio: float, density: float = 
   return rows
 
 
-def packed_estimate(packed: dict, changed: int, params_measured: int, floors: dict,
-                    density: float = 0.01,
+def large_step(params: int, seed: int = 0) -> tuple[jsparse.Plan, dict, dict]:
+  """A layered tree of about ``params`` parameters (width 1024 from 50M on, else 128) before
+  and after one RL-like step, and its plan (bf16 rollout, capacity 5%)."""
+  width = 1024 if params >= 50_000_000 else 128
+  layers = max(1, round(params / (12 * width * width + 2 * width)))
+  before = layered_tree(layers * LEAVES_PER_LAYER, width, seed)
+  step = jax.jit(functools.partial(rl_like_update, xp=jnp), static_argnums=1)
+  after = jax.block_until_ready(step(before, 1))
+  return jsparse.make_plan(before, rollout_dtype=jnp.bfloat16, capacity=0.05), before, after
+
+
+def packed_host_rate(params: int = 250_000_000, repeats: int = 3) -> dict:
+  """The packed coding's host stages on a payload of megabytes, where the bytes outweigh the
+  fixed costs of a sync: a :func:`large_step` of ``params`` parameters, its payload's
+  ``bytes``, ``host_encode`` and ``host_decode`` seconds (best of ``repeats``) and
+  ``per_byte``, their sum per payload byte; ``bytes_floor``: seconds to move and checksum the
+  payload's bytes (:func:`~jsparse.benchmarks.sync.bytes_floor`)."""
+  plan, before, after = large_step(params)
+  sender = jsparse.Sender(plan, before, coding="packed")
+  data = sender.send(after)
+  snapshot = plan.cast(before)
+  changes = programs.sender_changes(plan, Coding.PACKED, jax.tree.leaves(plan.cast(before)),
+                                    jax.tree.leaves(after))[0]
+  row = sync.packed_host_times(plan, Coding.PACKED, changes, jax.tree.leaves(snapshot), data,
+                               repeats)
+  row.update(params=plan.num_elements, changed=sender.last_stats.changed, bytes=len(data),
+             per_byte=(row["host_encode"] + row["host_decode"]) / len(data),
+             bytes_floor=sync.bytes_floor(len(data), repeats))
+  return row
+
+
+def print_packed_host_rate(row: dict) -> None:
+  print(f"packed coding's host stages on {row['params']:,} parameters, {row['changed']:,} "
+        f"changes, {row['bytes']:,} B: encode {1e3 * row['host_encode']:.1f} ms, decode "
+        f"{1e3 * row['host_decode']:.1f} ms = {row['per_byte'] * 1e9:.2f} ns per payload byte, "
+        f"{row['per_byte'] * row['bytes'] / row['bytes_floor']:.2f}x moving and checksumming "
+        f"its bytes ({1e3 * row['bytes_floor']:.1f} ms)")
+
+
+ACCELERATORS = 64
+HOSTS = 8
+
+
+def packed_estimate(packed: dict, changed: int, floors: dict, density: float = 0.01,
                     models: Sequence[int] = (7_000_000_000, 70_000_000_000),
                     links_gbit: Sequence[float] = (10.0, 100.0),
-                    per_param: tuple[float, float] | None = None) -> list:
+                    per_param: tuple[float, float] | None = None,
+                    host_per_byte: float | None = None, accelerators: int = ACCELERATORS,
+                    hosts: int = HOSTS) -> list:
   """:func:`estimate` for the packed coding (``packed``: its row of the sync benchmark, whose
-  step had ``changed`` changes among ``params_measured``), whose hosts only move bytes: its
-  host stages scale with the payload (this run's seconds per payload byte), its device passes
-  with the parameters. Device seconds per parameter (sender's, receiver's): ``per_param`` as
-  measured on an accelerator, else this run's ratios to the two floors (``floors``:
-  ``compare-and-count`` and ``dense copy`` seconds) at :data:`HBM_BYTES_PER_S` (8 and 6 bytes
-  per parameter). Dense as in :func:`estimate`; one row per model and link, 1 host core."""
+  step had ``changed`` changes), whose hosts only move bytes, on ``accelerators`` devices over
+  ``hosts`` hosts per side (each holding its share of the model; one link of the given
+  bandwidth carries every byte).
+
+  - Device passes scale with the parameters each device holds. Seconds per parameter
+    (sender's, receiver's): ``per_param`` as measured on an accelerator, else this run's
+    ratios to the two floors (``floors``: ``compare-and-count`` and ``dense copy`` seconds)
+    at :data:`HBM_BYTES_PER_S` (8 and 6 bytes per parameter).
+  - Host stages scale with the payload bytes each host moves: ``host_per_byte`` seconds per
+    byte (:func:`packed_host_rate`, on a payload of megabytes), else ``packed``'s own.
+  - Dense bf16: the cast (6 bytes per parameter, on every device at once) and 2 bytes per
+    parameter over the link.
+
+  ``sparse_one_host``: the same with all host stages on one host per side.
+  """
   if per_param is None:
     send = (packed["diff"] + packed.get("device_pack", 0.0)) / floors["compare-and-count"]
     receive = (packed.get("device_unpack", 0.0) + packed["device_apply"]) / floors["dense copy"]
     per_param = (8 * send / HBM_BYTES_PER_S, 6 * receive / HBM_BYTES_PER_S)
-  host_per_byte = (packed["host_encode"] + packed["host_decode"]) / packed["bytes"]
+  if host_per_byte is None:
+    host_per_byte = (packed["host_encode"] + packed["host_decode"]) / packed["bytes"]
   rows = []
   for params in models:
     payload = density * params * packed["bytes"] / changed
-    device = params * (per_param[0] + per_param[1])
+    device = params / accelerators * (per_param[0] + per_param[1])
+    host = payload / hosts * host_per_byte
     for gbit in links_gbit:
       wire = payload * 8 / (gbit * 1e9)
-      dense = 6 * params / HBM_BYTES_PER_S + 2 * params * 8 / (gbit * 1e9)
+      dense = 6 * params / accelerators / HBM_BYTES_PER_S + 2 * params * 8 / (gbit * 1e9)
       rows.append({"params": params, "link_gbit": gbit, "payload_bytes": payload,
-                   "device": device, "host": payload * host_per_byte, "wire": wire,
-                   "sparse": device + payload * host_per_byte + wire, "dense": dense})
+                   "accelerators": accelerators, "hosts": hosts, "device": device,
+                   "host": host, "wire": wire, "sparse": device + host + wire,
+                   "sparse_one_host": device + host * hosts + wire, "dense": dense})
   return rows
 
 
 def print_packed_estimate(rows: list) -> None:
-  print("estimate at 1% density, packed coding (device-coded: hosts move bytes)")
+  where = (f"{rows[0]['accelerators']} accelerators on {rows[0]['hosts']} hosts per side"
+           if rows else "")
+  print(f"estimate at 1% density, packed coding (device-coded: hosts move bytes), {where}")
   print(f"{'params':>6} {'link':>9} {'payload MB':>10} {'device s':>9} {'host s':>7} "
-        f"{'wire s':>7} {'sparse s':>9} {'dense s':>8} {'dense/sparse':>12}")
+        f"{'wire s':>7} {'sparse s':>9} {'dense s':>8} {'dense/sparse':>12} "
+        f"{'one host: sparse s':>18} {'dense/sparse':>12}")
   for r in rows:
     print(f"{r['params'] / 1e9:>5g}B {r['link_gbit']:>5g} Gb/s {r['payload_bytes'] / 1e6:>10.1f} "
-          f"{r['device']:>9.2f} {r['host']:>7.2f} {r['wire']:>7.2f} {r['sparse']:>9.2f} "
-          f"{r['dense']:>8.2f} {r['dense'] / r['sparse']:>11.1f}x")
+          f"{r['device']:>9.3f} {r['host']:>7.3f} {r['wire']:>7.3f} {r['sparse']:>9.3f} "
+          f"{r['dense']:>8.2f} {r['dense'] / r['sparse']:>11.1f}x "
+          f"{r['sparse_one_host']:>18.3f} {r['dense'] / r['sparse_one_host']:>11.1f}x")
 
 
 def print_estimate(rows: list) -> None:

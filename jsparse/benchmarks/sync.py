@@ -244,25 +244,20 @@ def packed_stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after:
                        data: bytes, repeats: int = 5) -> dict:
   """:func:`stage_times` of the packed coding, whose device passes are two more: the sender's
   packing (``device_pack``) after the diff, the receiver's unpacking and checks
-  (``device_unpack``) before the apply; its host stages only move and frame words, held
-  against ``bytes_floor``: copying ``data``'s bytes from the device, their CRC32 and the copy
-  back."""
+  (``device_unpack``) before the apply; its host stages (:func:`packed_host_times`) only move
+  and frame words, held against ``bytes_floor``: copying ``data``'s bytes from the device,
+  their CRC32 and the copy back."""
   flat = jax.tree.leaves(after)
   fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
   device_stage = lambda snap, new: programs.sender_changes(plan, coding, snap, new)[0]
   changes = device_stage(*fresh_snapshot())
   rollout = jax.tree.leaves(snapshot)
-  pack = lambda: packed_stage.pack_chunks(plan, changes, False, coding.ranked)
-  packing = pack()
   row = {"diff": _best(device_stage, fresh_snapshot, repeats),
-         "device_pack": _best(lambda: pack().launched, repeats=repeats)}
-  head = Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), (), Format.PACKED)
-  row["host_encode"] = _best(lambda: framing.frame(
-      plan, head, packed_stage.collect_body(plan, packing, changes, rollout)), repeats=repeats)
+         "device_pack": _best(
+             lambda: packed_stage.pack_chunks(plan, changes, False, coding.ranked).launched,
+             repeats=repeats)}
+  row.update(packed_host_times(plan, coding, changes, rollout, data, repeats))
   body = _packed_body(plan, data)
-  row["host_decode"] = _best(
-      lambda: packed_stage.stage_streams(plan, rollout, _packed_body(plan, data)),
-      repeats=repeats)
   staged = packed_stage.stage_streams(plan, rollout, body)
   row["device_unpack"] = _best(
       lambda: packed_stage.unpack_streams(plan, rollout, staged, body.counts, body.ranked)[:2],
@@ -273,6 +268,21 @@ def packed_stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after:
   row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
   row["bytes_floor"] = bytes_floor(len(data), repeats)
   return row
+
+
+def packed_host_times(plan: jsparse.Plan, coding: Coding, changes: programs.DeviceChanges,
+                      rollout: list, data: bytes, repeats: int = 5) -> dict:
+  """Seconds of the packed coding's host stages (best of ``repeats``): the sender's copies of
+  the packed words from the device and their framing (``host_encode``, the packing done), the
+  receiver's checks of the framing and copy of the words onto its device (``host_decode``).
+  ``changes``: the sender's device stage for ``data``; ``rollout``: the receiver's leaves."""
+  packing = packed_stage.pack_chunks(plan, changes, False, coding.ranked)
+  head = Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), (), Format.PACKED)
+  encode = lambda: framing.frame(plan, head, packed_stage.collect_body(plan, packing, changes,
+                                                                        rollout))
+  decode = lambda: packed_stage.stage_streams(plan, rollout, _packed_body(plan, data))
+  return {"host_encode": _best(encode, repeats=repeats),
+          "host_decode": _best(decode, repeats=repeats)}
 
 
 def bytes_floor(size: int, repeats: int = 5) -> float:
