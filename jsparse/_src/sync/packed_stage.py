@@ -57,22 +57,27 @@ def _prefix(x: jax.Array, size: int) -> jax.Array:
   return x[:size]
 
 
-def host_prefix(x: jax.Array, n: int) -> np.ndarray:
-  """The first ``n`` elements of device array ``x`` on the host, copying about ``n``."""
-  size = copy_size(n)
-  if size >= x.shape[0]:
-    return np.asarray(x)[:n]
-  return np.asarray(_prefix(x, size))[:n]
-
-
 def used_streams(outputs: tuple, keys: int, codes: int) -> tuple[np.ndarray, ...]:
   """The used words of a ``pack_program``'s four streams (key widths, key words, code widths,
   code words), copied to the host; ``keys`` and ``codes``: how many it packed."""
-  key_widths, key_words, key_used, code_widths, code_words, code_used = outputs
-  return (host_prefix(key_widths, bitpack.num_blocks(keys)),
-          host_prefix(key_words, int(key_used)),
-          host_prefix(code_widths, bitpack.num_blocks(codes)),
-          host_prefix(code_words, int(code_used)))
+  return copied_streams([(outputs, keys, codes)])[0]
+
+
+def copied_streams(packed: Sequence[tuple]) -> list[tuple[np.ndarray, ...]]:
+  """:func:`used_streams` of several ``(outputs, keys, codes)`` at once: their used word
+  counts in one copy, then every used prefix (sliced on the device at one of a few sizes,
+  :func:`copy_size`) in one ``device_get``, the copies in flight together."""
+  used = jax.device_get([(outputs[2], outputs[5]) for outputs, _, _ in packed])
+  lengths, prefixes = [], []
+  for (outputs, keys, codes), (key_used, code_used) in zip(packed, used):
+    for x, n in zip((outputs[0], outputs[1], outputs[3], outputs[4]),
+                    (bitpack.num_blocks(keys), int(key_used), bitpack.num_blocks(codes),
+                     int(code_used))):
+      size = copy_size(n)
+      lengths.append(n)
+      prefixes.append(x if size >= x.shape[0] else _prefix(x, size))
+  arrays = [np.asarray(h)[:n] for h, n in zip(jax.device_get(prefixes), lengths)]
+  return [tuple(arrays[4 * k:4 * k + 4]) for k in range(len(packed))]
 
 
 def _replicated(tree):
@@ -123,28 +128,30 @@ def pack_chunks(plan: Plan, changes: DeviceChanges, full: bool, ranked: bool) ->
   return Packing(modes, counts, launched)
 
 
-def collect_body(plan: Plan, packing: Packing, changes: DeviceChanges, snapshot: list) -> bytes:
-  """The host half of :func:`packed_body`: each chunk's used words copied as its packing
-  ends, and framed."""
-  counts, streams = packing.counts, []
-  for c, out in zip(chunks_of(plan), packing.launched):
-    if out is None:
-      streams.append(None)
-      continue
-    ids = list(c.segment_ids)
-    n_codes = sum(int(counts[s]) * device_codes.values_per_change(plan.segments[s])
-                  for s in ids)
-    streams.append(used_streams(out, int(counts[ids].sum()), n_codes))
+def collect_body(plan: Plan, packing: Packing, changes: DeviceChanges, snapshot: list) -> list:
+  """The host half of :func:`packed_body`: every chunk's used words copied at once, and laid
+  out as the body (a list of buffers, for ``framing.frame`` to join once)."""
+  counts, chunks = packing.counts, chunks_of(plan)
+  sizes = []
+  for c, out in zip(chunks, packing.launched):
+    if out is not None:
+      ids = list(c.segment_ids)
+      sizes.append((out, int(counts[ids].sum()),
+                    sum(int(counts[s]) * device_codes.values_per_change(plan.segments[s])
+                        for s in ids)))
+  copied = iter(copied_streams(sizes))
+  streams = [None if out is None else next(copied) for out in packing.launched]
   block_counts = {s: local_value(changes.block_counts[s]) for s in np.flatnonzero(counts)
                   if plan.segments[s].blocks > 1}
-  return packed.encode_body(plan, packing.modes, counts, block_counts, streams,
+  return packed.body_pieces(plan, packing.modes, counts, block_counts, streams,
                             lambda s: segment_host_bits(plan, s, snapshot))
 
 
 def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool,
-                ranked: bool = False) -> bytes:
-  """The format-3 body of a sender's ``changes`` (``snapshot``: the new rollout leaves, for
-  dense segments; ``ranked``: ordered segments named by rank, which ``changes`` must hold)."""
+                ranked: bool = False) -> list:
+  """The format-3 body of a sender's ``changes`` as a list of buffers (``snapshot``: the new
+  rollout leaves, for dense segments; ``ranked``: ordered segments named by rank, which
+  ``changes`` must hold)."""
   return collect_body(plan, pack_chunks(plan, changes, full, ranked), changes, snapshot)
 
 

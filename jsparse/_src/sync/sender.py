@@ -223,8 +223,8 @@ class Sender:
     return data
 
   def _whole_body(self, changes: programs.DeviceChanges, snapshot: list, full: bool
-                  ) -> tuple[Coding, bytes]:
-    """The coding of this version and its payload body."""
+                  ) -> tuple[Coding, bytes | list]:
+    """The coding of this version and its payload body (bytes, or buffers to join)."""
     coding = self._step_coding
     if coding.format == Format.PACKED:
       return coding, packed_body(self.plan, changes, snapshot, full, coding.ranked)

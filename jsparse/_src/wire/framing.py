@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 import zlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import PayloadError
@@ -58,14 +58,18 @@ def encode_records(plan: Plan, fmt: Format, segments) -> bytes:
   return body
 
 
-def frame(plan: Plan, header: Payload, body: bytes) -> bytes:
+def frame(plan: Plan, header: Payload, body: bytes | Sequence) -> bytes:
   """The payload bytes of a body coded elsewhere (format 3's, on the device): ``header``'s
-  fields (its segments are not looked at), the body, the checksum."""
+  fields (its segments are not looked at), the body (bytes, or a list of buffers: joined once
+  here, with the header and checksum), the checksum."""
+  pieces = [body] if isinstance(body, (bytes, bytearray, memoryview)) else list(body)
   head = HEADER.pack(MAGIC, header.format, header.kind, 0, plan.fingerprint,
                      header.base_version, header.version, header.base_digest,
                      header.new_digest, len(plan.segments))
-  crc = zlib.crc32(body, zlib.crc32(head))
-  return b"".join((head, body, _CRC.pack(crc)))
+  crc = zlib.crc32(head)
+  for piece in pieces:
+    crc = zlib.crc32(piece, crc)
+  return b"".join((head, *pieces, _CRC.pack(crc)))
 
 
 def _exactly(count: int, records: Iterator[SegmentPayload]) -> Iterator[SegmentPayload]:

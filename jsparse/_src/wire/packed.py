@@ -88,7 +88,17 @@ def encode_unit(record) -> bytes:
 
 def streams_bytes(streams: tuple) -> bytes:
   """A chunk's (or unit's) key stream then code stream, as the body holds them."""
-  return encode_stream(*streams[:2]) + encode_stream(*streams[2:])
+  return b"".join(stream_pieces(streams))
+
+
+def stream_pieces(streams: tuple) -> list:
+  """:func:`streams_bytes` as a list of buffers (nothing copied), to join once with others."""
+  return [*_pieces(*streams[:2]), *_pieces(*streams[2:])]
+
+
+def _pieces(widths: np.ndarray, words: np.ndarray) -> list:
+  return [_U32.pack(len(widths)), np.ascontiguousarray(widths, np.uint8).data,
+          np.ascontiguousarray(words, "<u4").data]
 
 
 def decode_unit(slot: Segment, mode: Mode, count: int, reader: Reader, where: str):
@@ -105,8 +115,7 @@ def decode_unit(slot: Segment, mode: Mode, count: int, reader: Reader, where: st
 
 def encode_stream(widths: np.ndarray, words: np.ndarray) -> bytes:
   """One packed stream's bytes: its block count, widths and words."""
-  return b"".join((_U32.pack(len(widths)), np.asarray(widths, np.uint8).tobytes(),
-                   np.asarray(words, "<u4").tobytes()))
+  return b"".join(_pieces(widths, words))
 
 
 def read_stream(reader: Reader, values: int, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -126,6 +135,13 @@ def encode_body(plan: Plan, modes: Sequence[Mode], counts: np.ndarray, block_cou
   """A format-3 body. ``counts``: per segment, its changes (dense: ignored); ``block_counts``:
   by split sparse segment, its changes per block; ``streams``: per chunk, the four arrays of
   its streams (see :class:`PackedBody`) or None; ``dense(s)``: segment ``s``'s bits."""
+  return b"".join(body_pieces(plan, modes, counts, block_counts, streams, dense))
+
+
+def body_pieces(plan: Plan, modes: Sequence[Mode], counts: np.ndarray, block_counts: dict,
+                streams: Sequence, dense: Callable[[int], np.ndarray]) -> list:
+  """:func:`encode_body` as a list of buffers: the streams' and dense segments' arrays are
+  not copied, so that framing joins the whole payload once."""
   out = []
   for s, (seg, mode) in enumerate(zip(plan.segments, modes)):
     out.append(RECORD.pack(mode, seg.size if mode == Mode.DENSE else int(counts[s])))
@@ -134,12 +150,12 @@ def encode_body(plan: Plan, modes: Sequence[Mode], counts: np.ndarray, block_cou
       out.append(np.asarray(block_counts[s], "<u4").tobytes())
   for stream in streams:
     if stream is not None:
-      out.append(streams_bytes(stream))
+      out += stream_pieces(stream)
   for s, mode in enumerate(modes):
     if mode == Mode.DENSE:
       bits = dense(s)
-      out.append(np.ascontiguousarray(bits, bits.dtype.newbyteorder("<")).tobytes())
-  return b"".join(out)
+      out.append(np.ascontiguousarray(bits, bits.dtype.newbyteorder("<")).data)
+  return out
 
 
 def _table(plan: Plan, kind: Kind, reader: Reader) -> tuple[list[Mode], np.ndarray]:
