@@ -44,7 +44,7 @@ FULL = dict(dim=512, depth=6, vocab=8192, steps=8, pretrain_steps=300, repeats=5
 QUICK = dict(dim=128, depth=1, vocab=1024, steps=4, pretrain_steps=30, repeats=2,
              leaf_counts=[8], threads=[1, 2], scale_params=[3_000_000, 6_000_000],
              scale_width=512, scale_stages=False, device_params=3_000_000,
-             host_rate_params=10_000_000)
+             host_rate_params=250_000_000)
 PARTS = ("sync", "storage", "link", "scale", "memory", "quantized", "tunix", "device")
 SCHEMA = 1  # the JSON file's layout version
 

@@ -158,11 +158,23 @@ def body_pieces(plan: Plan, modes: Sequence[Mode], counts: np.ndarray, block_cou
   return out
 
 
+class _Where:
+  """A segment's description, made when formatted."""
+
+  def __init__(self, plan: Plan, s: int):
+    self.plan, self.s = plan, s
+
+  def __format__(self, spec: str) -> str:
+    return format(self.plan.describe_segment(self.s), spec)
+
+
 def _table(plan: Plan, kind: Kind, reader: Reader) -> tuple[list[Mode], np.ndarray]:
   modes, counts = [], np.zeros(len(plan.segments), np.int64)
   for s, seg in enumerate(plan.segments):
-    where = plan.describe_segment(s)
-    mode, count = RECORD.unpack(reader.take(RECORD.size, f"{where} record"))
+    where = _Where(plan, s)  # named only in an error: naming every segment would cost a sync
+    if reader.remaining < RECORD.size:
+      raise PayloadError(f"payload truncated while reading {where} record")
+    mode, count = RECORD.unpack(reader.take(RECORD.size, "a segment record"))
     sparse = (Mode.BY_RANK, Mode.BY_POSITION) if seg.ordered else (Mode.BY_POSITION,)
     if mode not in (Mode.EMPTY, Mode.DENSE, *sparse):
       raise PayloadError(f"{where}: mode {mode} in a packed payload (expected EMPTY, DENSE "
