@@ -58,6 +58,13 @@ def layered_tree(leaves: int, width: int, seed: int = 0) -> dict:
   return tree
 
 
+def tree_of_size(params: int, width: int, seed: int = 0) -> dict:
+  """A :func:`layered_tree` of whole layers of ``width``, about ``params`` parameters (at least
+  one layer)."""
+  layers = max(1, round(params / (12 * width * width + 2 * width)))
+  return layered_tree(layers * LEAVES_PER_LAYER, width, seed)
+
+
 def rl_like_update(params, seed: int, xp=np):
   """One sign-like AdamW step at lr 1e-6 on every leaf: the sign of each element's update is a
   hash of its position, the leaf and ``seed``. ``xp``: ``numpy`` on the host (nothing to
@@ -152,8 +159,7 @@ def peak_rss() -> int:
 
 def _scaling_point(params_target: int, width: int, steps: int = 3, stages: bool = False) -> dict:
   """One model size, in this process: see :func:`scaling`."""
-  layers = max(1, round(params_target / (12 * width * width + 2 * width)))
-  params = layered_tree(layers * LEAVES_PER_LAYER, width)
+  params = tree_of_size(params_target, width)
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
   sender = jsparse.Sender(plan, params)
   receiver = jsparse.Receiver(plan, plan.cast(params))
@@ -264,9 +270,7 @@ def estimate(compact: dict, changed: int, device_ratio: float, density: float = 
 def large_step(params: int, seed: int = 0) -> tuple[jsparse.Plan, dict, dict]:
   """A layered tree of about ``params`` parameters (width 1024 from 50M on, else 128) before
   and after one RL-like step, and its plan (bf16 rollout, capacity 5%)."""
-  width = 1024 if params >= 50_000_000 else 128
-  layers = max(1, round(params / (12 * width * width + 2 * width)))
-  before = layered_tree(layers * LEAVES_PER_LAYER, width, seed)
+  before = tree_of_size(params, 1024 if params >= 50_000_000 else 128, seed)
   step = jax.jit(functools.partial(rl_like_update, xp=jnp), static_argnums=1)
   after = jax.block_until_ready(step(before, 1))
   return jsparse.make_plan(before, rollout_dtype=jnp.bfloat16, capacity=0.05), before, after
@@ -281,11 +285,10 @@ def packed_host_rate(params: int = 250_000_000, repeats: int = 3) -> dict:
   plan, before, after = large_step(params)
   sender = jsparse.Sender(plan, before, coding="packed")
   data = sender.send(after)
-  snapshot = plan.cast(before)
+  rollout = jax.tree.leaves(plan.cast(before))  # the receiver's leaves
   changes = programs.sender_changes(plan, Coding.PACKED, jax.tree.leaves(plan.cast(before)),
-                                    jax.tree.leaves(after))[0]
-  row = sync.packed_host_times(plan, Coding.PACKED, changes, jax.tree.leaves(snapshot), data,
-                               repeats)
+                                    jax.tree.leaves(after))[0]  # (its snapshot donated)
+  row = sync.packed_host_times(plan, Coding.PACKED, changes, rollout, data, repeats)
   row.update(params=plan.num_elements, changed=sender.last_stats.changed, bytes=len(data),
              per_byte=(row["host_encode"] + row["host_decode"]) / len(data),
              bytes_floor=sync.bytes_floor(len(data), repeats))

@@ -2,9 +2,10 @@
 device inputs. The device codes; the host moves words.
 
 Sender (:func:`packed_body`): each chunk with changes runs ``pack_program`` on the device (all
-chunks are dispatched first, so the device packs chunk ``k + 1`` while the host copies chunk
-``k``); the host then copies only the used prefix of each stream (sliced on the device at one
-of a few sizes, at most twice what is used) and frames it. Receiver (:func:`receiver_inputs`):
+chunks are dispatched at once); the host then reads every stream's used length in one copy,
+copies only the used prefix of each stream (sliced on the device at one of a few sizes, at most
+twice what is used) in one ``device_get``, and frames them. (Streams of parts, where a part
+crosses the link while the next is packed, copy unit by unit: ``packed_units.py``.) Receiver (:func:`receiver_inputs`):
 the streams of all chunks staged on one device go there in one copy (each array on a word);
 each chunk is unpacked and checked there from its offsets (one flag per chunk, read before
 anything is applied), and replicated over the devices of each segment's leaves, as

@@ -158,36 +158,28 @@ def body_pieces(plan: Plan, modes: Sequence[Mode], counts: np.ndarray, block_cou
   return out
 
 
-class _Where:
-  """A segment's description, made when formatted."""
-
-  def __init__(self, plan: Plan, s: int):
-    self.plan, self.s = plan, s
-
-  def __format__(self, spec: str) -> str:
-    return format(self.plan.describe_segment(self.s), spec)
-
-
 def _table(plan: Plan, kind: Kind, reader: Reader) -> tuple[list[Mode], np.ndarray]:
   modes, counts = [], np.zeros(len(plan.segments), np.int64)
   for s, seg in enumerate(plan.segments):
-    where = _Where(plan, s)  # named only in an error: naming every segment would cost a sync
-    if reader.remaining < RECORD.size:
-      raise PayloadError(f"payload truncated while reading {where} record")
+    if reader.remaining < RECORD.size:  # a segment is named only in an error (naming every
+      # one would cost a sync more than reading the table)
+      raise PayloadError(f"payload truncated while reading {plan.describe_segment(s)} record")
     mode, count = RECORD.unpack(reader.take(RECORD.size, "a segment record"))
     sparse = (Mode.BY_RANK, Mode.BY_POSITION) if seg.ordered else (Mode.BY_POSITION,)
-    if mode not in (Mode.EMPTY, Mode.DENSE, *sparse):
-      raise PayloadError(f"{where}: mode {mode} in a packed payload (expected EMPTY, DENSE "
-                         f"or {' or '.join(m.name for m in sparse)})")
-    if kind == Kind.ANCHOR and mode != Mode.DENSE:
+    if kind == Kind.ANCHOR and mode in (Mode.EMPTY, *sparse):
       raise PayloadError("an anchor payload must carry every segment densely")
-    if mode == Mode.DENSE and count != seg.size:
-      raise PayloadError(f"{where}: a dense record of {count} elements, the segment has "
-                         f"{seg.size}")
-    if mode == Mode.EMPTY and count:
-      raise PayloadError(f"{where}: an empty record with {count} changes")
-    if mode in sparse and not 0 < count <= seg.capacity:
-      raise PayloadError(f"{where}: {count} changes, capacity {seg.capacity}")
+    problem = None
+    if mode not in (Mode.EMPTY, Mode.DENSE, *sparse):
+      problem = (f"mode {mode} in a packed payload (expected EMPTY, DENSE or "
+                 f"{' or '.join(m.name for m in sparse)})")
+    elif mode == Mode.DENSE and count != seg.size:
+      problem = f"a dense record of {count} elements, the segment has {seg.size}"
+    elif mode == Mode.EMPTY and count:
+      problem = f"an empty record with {count} changes"
+    elif mode in sparse and not 0 < count <= seg.capacity:
+      problem = f"{count} changes, capacity {seg.capacity}"
+    if problem:
+      raise PayloadError(f"{plan.describe_segment(s)}: {problem}")
     modes.append(Mode(mode))
     counts[s] = count if mode in sparse else 0
   check_modes(plan, modes)
