@@ -97,7 +97,7 @@ def test_levels_compiled_in_the_background_then_serve(monkeypatch):
                            bucket_size=4096)
   sender = jsparse.Sender(plan, params)
   receiver = jsparse.Receiver(plan, plan.cast(params))
-  for density in (0.04, 0.005):  # the second asks for level 3 of the matrices
+  for density in (0.04, 0.005):  # the second asks for the matrices' last level (an eighth)
     params = _step(rng, params, density)
     assert_trees_bitwise_equal(_whole(sender, receiver, params), plan.cast(params))
   assert programs.wait_for_slot_levels(timeout=600)
@@ -115,4 +115,4 @@ def test_levels_compiled_in_the_background_then_serve(monkeypatch):
   wanted = programs.slots_needed(plan, [r.count for r in framing.decode(plan, data).segments])
   assert sorted(n for slots in sent for n in slots) == sorted(wanted)
   assert sorted(n for slots in applied for n in slots) == sorted(wanted)
-  assert max(wanted) < max(seg.capacity for seg in plan.segments) // 4  # level 3, halved
+  assert max(wanted) < max(seg.capacity for seg in plan.segments) // 4  # the last level

@@ -211,8 +211,8 @@ def test_receiver_refuses_params_that_do_not_match_the_plan():
 @pytest.mark.parametrize("coding", ["ranked", "lists"])  # positioned: ranked minus ranks
 def test_compilations_follow_the_distinct_chunks_not_the_leaves_or_the_density(coding):
   """One compilation per program and chunk structure: twelve layers of the same shapes compile
-  as one layer does; the per-change programs take slots sized to each step's changes, at most 4
-  variants (see ``programs.slots_needed``)."""
+  as one layer does; the per-change programs take slots sized to each step's changes, at most
+  ``programs.NUM_LEVELS`` variants (see ``programs.slots_needed``)."""
   from jsparse._src.core.chunks import chunks_of
   from jsparse._src.sync import programs
   rng = np.random.default_rng(5)
@@ -232,7 +232,7 @@ def test_compilations_follow_the_distinct_chunks_not_the_leaves_or_the_density(c
     assert_trees_bitwise_equal(receiver.receive(sender.send(params)), plan.cast(params))
   grown = [compilations(f) - b for f, b in zip(once + per_slots, before)]
   assert all(g <= distinct for g in grown[:2]), grown
-  assert all(g <= 4 * distinct for g in grown[2:]), grown
+  assert all(g <= programs.NUM_LEVELS * distinct for g in grown[2:]), grown
 
 
 def test_slots_follow_each_chunks_changes_not_the_fullest_chunk():

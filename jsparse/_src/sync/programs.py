@@ -6,7 +6,7 @@ chunk's structural sub-plan (and the receiver's block layouts) static: chunks of
 structure share one compilation, so compile time follows the distinct leaf shapes, not the leaf
 count. The sender's diff program and the digest compile once per chunk structure; the
 per-change programs (ranks, positions, the receiver's apply) take slots sized to the payload's
-changes, at most 4 variants each (:func:`slots_needed`), compiled on a background thread when
+changes, at most 7 variants each (:func:`slots_needed`), compiled on a background thread when
 first needed while a compiled variant serves (:class:`SlotLevels`): no sync after the first
 compiles. The chunks' results are put back in plan order (per leaf, per segment), so
 everything after the device stages sees the whole tree.
@@ -20,7 +20,7 @@ everything after the device stages sees the whole tree.
 >>> import jax.numpy as jnp, jsparse
 >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, capacity=0.1, bucket_size=1000)
 >>> slots_needed(plan, [3]), slots_needed(plan, [60]), slots_needed(plan, [100])
-((13,), (100,), (100,))
+((13,), (71,), (100,))
 """
 
 from __future__ import annotations
@@ -247,16 +247,32 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
   return DeviceChanges(delta, old_values, ranks_out, block_counts), next_snapshot, digest
 
 
+# Slot levels: level k holds a segment's capacity times 2**(-k/2), down to an eighth. Steps of a
+# square root of 2 rather than halvings: a chunk's slots exceed its fullest segment's changes
+# by at most 1.42x, not 2x (on the benchmark's 21M step, 1.65x its changes in all rather than
+# 2.22x), for at most 7 compiled variants instead of 4, compiled in the background.
+NUM_LEVELS = 7
+_ROOT_HALF = (181, 256)  # 1/sqrt(2), rounded up: integers, so every process sizes alike
+
+
 def level_slots(plan: Plan, segment_ids: Sequence[int], level: int) -> tuple[int, ...]:
-  """The slots of ``segment_ids`` at slot level ``level``: their capacities halved ``level``
-  times (rounded up)."""
-  return tuple(-(-plan.segments[s].capacity // 2**level) for s in segment_ids)
+  """The slots of ``segment_ids`` at slot level ``level``: their capacities times
+  ``2**(-level/2)`` (rounded up, in integers).
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, capacity=0.1, bucket_size=1000)
+  >>> [level_slots(plan, [0], level)[0] for level in range(NUM_LEVELS)]
+  [100, 71, 50, 36, 25, 18, 13]
+  """
+  halvings, odd = divmod(level, 2)
+  num, den = _ROOT_HALF if odd else (1, 1)
+  return tuple(-(-plan.segments[s].capacity * num // (den << halvings)) for s in segment_ids)
 
 
 def needed_level(plan: Plan, segment_ids: Sequence[int], counts) -> int:
-  """The highest slot level (at most 3) at which every one of ``segment_ids`` holds its
-  ``counts[s]`` changes."""
-  for level in (3, 2, 1):
+  """The highest slot level (at most ``NUM_LEVELS - 1``) at which every one of
+  ``segment_ids`` holds its ``counts[s]`` changes."""
+  for level in range(NUM_LEVELS - 1, 0, -1):
     if all(int(counts[s]) <= n for s, n in zip(segment_ids, level_slots(plan, segment_ids,
                                                                         level))):
       return level
@@ -264,12 +280,12 @@ def needed_level(plan: Plan, segment_ids: Sequence[int], counts) -> int:
 
 
 def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
-  """Per segment, how many slots a payload with ``counts`` changes needs: the capacity halved
-  up to 3 times while every segment of its chunk still fits (its chunk's
-  :func:`needed_level`). A chunk's compiled shapes stay few (4 levels), and the per-change
-  work of a sparse payload follows each chunk's density rather than its capacity: a pool of
-  small leaves (all its elements as capacity) is not padded to its capacity because the
-  matrices of another chunk need theirs. The programs run at these slots once the level is
+  """Per segment, how many slots a payload with ``counts`` changes needs: the capacity scaled
+  down by steps of ``sqrt(2)``, to an eighth at most, while every segment of its chunk still
+  fits (its chunk's :func:`needed_level`). A chunk's compiled shapes stay few (7 levels), and
+  the per-change work of a sparse payload follows each chunk's density rather than its
+  capacity: a pool of small leaves (all its elements as capacity) is not padded to its
+  capacity because the matrices of another chunk need theirs. The programs run at these slots once the level is
   compiled (:class:`SlotLevels`)."""
   slots = [seg.capacity for seg in plan.segments]
   for chunk in chunks_of(plan):
@@ -293,9 +309,9 @@ class SlotLevels:
   compiles the others, so that no sync after the first compiles.
 
   A chunk's per-change programs (the sender's :func:`sparse_program`; the receiver's staging,
-  positions and apply) take slots sized to the step's changes: its capacities halved 0 to 3
-  times (the *level*), each level a compilation. A training run's density drifts across those
-  boundaries (AdamW: 2.2% to 0.85% over its first steps), and compiling a level when a step
+  positions and apply) take slots sized to the step's changes: its capacities scaled down by
+  0 to 6 steps of ``sqrt(2)`` (the *level*: :func:`level_slots`), each level a compilation. A
+  training run's density drifts across those boundaries (AdamW: 2.2% to 0.85% over its first steps), and compiling a level when a step
   first needs it stalls that step for seconds. Instead, the first call of a chunk's programs
   runs (and compiles) level 0, the capacity, which holds any step's changes; a level that a
   later step needs is compiled on a background thread, ahead of time (``lower`` and
