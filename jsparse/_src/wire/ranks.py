@@ -115,13 +115,22 @@ def positions_of(tables: ClassTables, ranks: jax.Array) -> jax.Array:
   flat = sorted_search(tables.first_rank, ranks, "right") - 1
   cls, superblock = flat // num_superblocks, flat % num_superblocks
   within = ranks - tables.first_rank[flat]
-  words = _superblock_words(tables, superblock, cls)
-  counts = lax.population_count(words).astype(jnp.int32)
-  ends = jnp.cumsum(counts, axis=-1)  # class-``cls`` elements up to and including each word
-  passed = ends <= within[:, None]
-  word = jnp.sum(passed.astype(jnp.int32), axis=-1)  # the word holding rank ``within``
-  before = jnp.max(jnp.where(passed, ends, 0), axis=-1)
-  index = lax.broadcasted_iota(jnp.int32, words.shape, 1)
-  chosen = jnp.max(jnp.where(index == word[:, None], words, jnp.uint32(0)), axis=-1)
+  # (Materialized: fused into each of the columns below, the gather would run once per column.)
+  words = lax.optimization_barrier(_superblock_words(tables, superblock, cls))
+  # The word holding the class's element number ``within`` of the superblock, the elements
+  # before that word, and the word: the 8 columns walked in one elementwise pass. (A prefix sum
+  # and arg-max along rows of 8 words took 1.6x as long on XLA:CPU: on the benchmark's four
+  # largest leaves, 14-16 ms against 8-10 ms after the class tables.)
+  passed = jnp.zeros(ranks.shape, jnp.int32)
+  word = before = jnp.zeros(ranks.shape, jnp.int32)
+  chosen = jnp.zeros(ranks.shape, jnp.uint32)
+  for w in range(_SUPERBLOCK_WORDS):
+    column = words[:, w]
+    ends = passed + lax.population_count(column).astype(jnp.int32)
+    here = (passed <= within) & (within < ends)
+    word = jnp.where(here, w, word)
+    before = jnp.where(here, passed, before)
+    chosen = jnp.where(here, column, chosen)
+    passed = ends
   bit = rank_select(chosen, within - before + 1)
   return superblock * _SUPERBLOCK + word * _WORD + bit
