@@ -15,8 +15,8 @@ from jsparse.testing import assert_trees_bitwise_equal
 from jsparse._src.sync import programs
 from jsparse._src.wire import framing
 
-# Densities across the capacity's halvings (capacity 5%: levels at 5, 2.5, 1.25, 0.625%).
-DRIFT = (0.04, 0.02, 0.01, 0.005, 0.002, 0.03, 0.0005, 0.04)
+# Densities across the slot levels (capacity 5%: levels at 5, 3.5, 2.5, 1.8, 1.25, 0.88, 0.625%).
+DRIFT = (0.04, 0.02, 0.015, 0.01, 0.007, 0.005, 0.002, 0.03, 0.0005, 0.04)  # each level
 
 _COMPILES: collections.Counter = collections.Counter()  # XLA compilations, by thread
 

@@ -237,8 +237,8 @@ def test_compilations_follow_the_distinct_chunks_not_the_leaves_or_the_density(c
 
 def test_slots_follow_each_chunks_changes_not_the_fullest_chunk():
   """A pool (every element a slot) is not padded to its capacity because a matrix in another
-  chunk needs all of its slots: each chunk halves its own slots, and a sync through them is
-  exact."""
+  chunk needs all of its slots: each chunk scales down its own slots, and a sync through them
+  is exact."""
   from jsparse._src.core.chunks import chunks_of
   from jsparse._src.sync import programs
   rng = np.random.default_rng(11)

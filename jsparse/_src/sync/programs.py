@@ -248,11 +248,12 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
 
 
 # Slot levels: level k holds a segment's capacity times 2**(-k/2), down to an eighth. Steps of a
-# square root of 2 rather than halvings: a chunk's slots exceed its fullest segment's changes
-# by at most 1.42x, not 2x (on the benchmark's 21M step, 1.65x its changes in all rather than
-# 2.22x), for at most 7 compiled variants instead of 4, compiled in the background.
+# square root of 2 rather than halvings: above the last level, a chunk's slots exceed its
+# fullest segment's changes by at most 1.42x, not 2x (on the benchmark's 21M step, 1.65x its
+# changes in all rather than 2.22x), for at most 7 compiled variants instead of 4, compiled in
+# the background.
 NUM_LEVELS = 7
-_ROOT_HALF = (181, 256)  # 1/sqrt(2), rounded up: integers, so every process sizes alike
+_ROOT_HALF = (181, 256)  # 1/sqrt(2) to 8 bits, in integers: every process sizes alike
 
 
 def level_slots(plan: Plan, segment_ids: Sequence[int], level: int) -> tuple[int, ...]:
@@ -285,8 +286,8 @@ def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
   fits (its chunk's :func:`needed_level`). A chunk's compiled shapes stay few (7 levels), and
   the per-change work of a sparse payload follows each chunk's density rather than its
   capacity: a pool of small leaves (all its elements as capacity) is not padded to its
-  capacity because the matrices of another chunk need theirs. The programs run at these slots once the level is
-  compiled (:class:`SlotLevels`)."""
+  capacity because the matrices of another chunk need theirs. The programs run at these slots
+  once the level is compiled (:class:`SlotLevels`)."""
   slots = [seg.capacity for seg in plan.segments]
   for chunk in chunks_of(plan):
     ids = chunk.segment_ids
@@ -311,8 +312,9 @@ class SlotLevels:
   A chunk's per-change programs (the sender's :func:`sparse_program`; the receiver's staging,
   positions and apply) take slots sized to the step's changes: its capacities scaled down by
   0 to 6 steps of ``sqrt(2)`` (the *level*: :func:`level_slots`), each level a compilation. A
-  training run's density drifts across those boundaries (AdamW: 2.2% to 0.85% over its first steps), and compiling a level when a step
-  first needs it stalls that step for seconds. Instead, the first call of a chunk's programs
+  training run's density drifts across those boundaries (AdamW: 2.2% to 0.85% over its first
+  steps), and compiling a level when a step first needs it stalls that step for seconds.
+  Instead, the first call of a chunk's programs
   runs (and compiles) level 0, the capacity, which holds any step's changes; a level that a
   later step needs is compiled on a background thread, ahead of time (``lower`` and
   ``compile`` with the shapes and shardings the call will have), and until it is ready the

@@ -121,8 +121,8 @@ def positions_of(tables: ClassTables, ranks: jax.Array) -> jax.Array:
   # before that word, and the word: the 8 columns walked in one elementwise pass. (A prefix sum
   # and arg-max along rows of 8 words took 1.6x as long on XLA:CPU: on the benchmark's four
   # largest leaves, 14-16 ms against 8-10 ms after the class tables.)
-  passed = jnp.zeros(ranks.shape, jnp.int32)
-  word = before = jnp.zeros(ranks.shape, jnp.int32)
+  passed = before = jnp.zeros(ranks.shape, jnp.int32)
+  word = jnp.full(ranks.shape, _SUPERBLOCK_WORDS, jnp.int32)  # no word: past the segment
   chosen = jnp.zeros(ranks.shape, jnp.uint32)
   for w in range(_SUPERBLOCK_WORDS):
     column = words[:, w]
