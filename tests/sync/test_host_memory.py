@@ -11,12 +11,14 @@ import pytest
 
 import jsparse
 from jsparse.testing import assert_trees_bitwise_equal
+from jsparse._src.sync import programs
 from jsparse._src.wire import compact, framing
 from tests import strategies
 
 
 def _synced_pair(monkeypatch, seed: int, coding: str = "ranked"):
-  """(plan, sender, receiver, the next params): one version already synced (compiled)."""
+  """(plan, sender, receiver, the next params): one version already synced, and the slot
+  levels it asked for compiled."""
   monkeypatch.setattr(compact, "_BLOCK", 1024)
   rng = np.random.default_rng(seed)
   params = {f"w{i:02d}": jnp.asarray(strategies.random_bits(rng, (1 << 16,), np.float32))
@@ -28,6 +30,7 @@ def _synced_pair(monkeypatch, seed: int, coding: str = "ranked"):
   receiver = jsparse.Receiver(plan, plan.cast(params))
   new = perturb(params)
   receiver.receive(sender.send(new))
+  programs.wait_for_slot_levels()  # the steady state: no compilation traced with the sync
   return plan, sender, receiver, perturb(new)
 
 
