@@ -97,25 +97,43 @@ def _blocked(values: jax.Array, count: jax.Array | int) -> jax.Array:
   return jnp.where(used, padded, jnp.uint32(0)).reshape(-1, BLOCK)
 
 
-def pack(values: jax.Array, count: jax.Array | int, page_blocks: int = PAGE_BLOCKS
+def pack(values: jax.Array, count: jax.Array | int, page_blocks: int = PAGE_BLOCKS, *,
+         out: jax.Array | None = None, at: jax.Array | int = 0
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Packs the first ``count`` of ``values`` (unsigned ints of at most 32 bits).
 
   Returns:
     ``(widths, words, used)``: ``uint8[blocks]`` bit widths (0 for blocks past ``count``),
     ``uint32[max_words(size)]`` words of which the first ``used`` (an ``int32`` scalar,
-    :func:`num_words`) hold the values. Shapes depend on ``values.shape`` only.
+    :func:`num_words`) hold the values. Shapes depend on ``values.shape`` only. With ``out``
+    (``uint32`` words, zero where the values go), ``words`` is ``out`` with the values'
+    words added from word ``at`` on: several streams packed into one buffer.
   """
   blocks = _blocked(values, count)
   widths = jnp.max(32 - lax.clz(blocks), axis=1).astype(jnp.int32)
   word, shift, used = _layout(widths, count, page_blocks)
+  word = word.reshape(-1) + at
   low = blocks << shift
   # The bits that spill into the next word; none when the value starts a word.
   high = jnp.where(shift > 0, blocks >> (jnp.uint32(32) - jnp.maximum(shift, 1)), jnp.uint32(0))
-  words = jnp.zeros((max_words(values.shape[0], page_blocks),), jnp.uint32)
-  words = words.at[word.reshape(-1)].add(low.reshape(-1), mode="drop")
-  words = words.at[word.reshape(-1) + 1].add(high.reshape(-1), mode="drop")
+  if out is None:
+    out = jnp.zeros((max_words(values.shape[0], page_blocks),), jnp.uint32)
+  words = out.at[word].add(low.reshape(-1), mode="drop")
+  words = words.at[word + 1].add(high.reshape(-1), mode="drop")
   return widths.astype(jnp.uint8), words, used
+
+
+def bytes_as_words(values: jax.Array) -> jax.Array:
+  """``uint8`` values laid in ``uint32`` words, least significant byte first (the last word
+  padded with zeros): bytes as a little-endian host reads them from the words.
+
+  >>> bytes_as_words(jnp.array([1, 2, 3, 4, 5], jnp.uint8)).tolist()
+  [67305985, 5]
+  """
+  padded = jnp.zeros((-(-values.shape[0] // 4) * 4,), jnp.uint32)
+  padded = padded.at[:values.shape[0]].set(values.astype(jnp.uint32)).reshape(-1, 4)
+  return jnp.sum(padded << (jnp.uint32(8) * jnp.arange(4, dtype=jnp.uint32)), axis=1,
+                 dtype=jnp.uint32)
 
 
 def unpack(widths: jax.Array, words: jax.Array, count: jax.Array | int, size: int,

@@ -59,26 +59,31 @@ def _prefix(x: jax.Array, size: int) -> jax.Array:
 
 
 def used_streams(outputs: tuple, keys: int, codes: int) -> tuple[np.ndarray, ...]:
-  """The used words of a ``pack_program``'s four streams (key widths, key words, code widths,
-  code words), copied to the host; ``keys`` and ``codes``: how many it packed."""
+  """The used words of a ``pack_program``'s two streams, as four arrays (key widths, key
+  words, code widths, code words) copied to the host; ``keys`` and ``codes``: how many it
+  packed."""
   return copied_streams([(outputs, keys, codes)])[0]
 
 
 def copied_streams(packed: Sequence[tuple]) -> list[tuple[np.ndarray, ...]]:
   """:func:`used_streams` of several ``(outputs, keys, codes)`` at once: their used word
-  counts in one copy, then every used prefix (sliced on the device at one of a few sizes,
-  :func:`copy_size`) in one ``device_get``, the copies in flight together."""
-  used = jax.device_get([(outputs[2], outputs[5]) for outputs, _, _ in packed])
-  lengths, prefixes = [], []
-  for (outputs, keys, codes), (key_used, code_used) in zip(packed, used):
-    for x, n in zip((outputs[0], outputs[1], outputs[3], outputs[4]),
-                    (bitpack.num_blocks(keys), int(key_used), bitpack.num_blocks(codes),
-                     int(code_used))):
-      size = copy_size(n)
-      lengths.append(n)
-      prefixes.append(x if size >= x.shape[0] else _prefix(x, size))
-  arrays = [np.asarray(h)[:n] for h, n in zip(jax.device_get(prefixes), lengths)]
-  return [tuple(arrays[4 * k:4 * k + 4]) for k in range(len(packed))]
+  counts in one copy, then each buffer's used prefix (sliced on the device at one of a few
+  sizes, :func:`copy_size`) in one ``device_get``, the copies in flight together; the four
+  arrays are views of the copied words."""
+  used = jax.device_get([outputs[1] for outputs, _, _ in packed])
+  offsets, prefixes = [], []
+  for ((words, _), keys, codes), (key_words, code_words) in zip(packed, used):
+    at = device_codes.stream_offsets(keys, codes, int(key_words), int(code_words))
+    size = copy_size(at[-1])
+    offsets.append((at, keys, codes))
+    prefixes.append(words if size >= words.shape[0] else _prefix(words, size))
+  out = []
+  for host, (at, keys, codes) in zip(jax.device_get(prefixes), offsets):
+    words = np.asarray(host).astype("<u4", copy=False)
+    widths = lambda start, n: words[start:].view(np.uint8)[:bitpack.num_blocks(n)]
+    out.append((widths(at[0], keys), words[at[1]:at[2]], widths(at[2], codes),
+                words[at[3]:at[4]]))
+  return out
 
 
 def _replicated(tree):

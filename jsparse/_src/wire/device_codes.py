@@ -126,15 +126,40 @@ def _segment_entries(seg: Segment, ranked: bool, keys: jax.Array, new: jax.Array
   return _gaps(keys), codes, jnp.where(used, jnp.arange(keys.shape[0], dtype=jnp.int32), -1)
 
 
+def stream_offsets(keys, codes, used_key_words, used_code_words) -> tuple:
+  """Where a chunk's two streams lie in the words of :func:`pack_program` (and of
+  :func:`aligned_streams`): the words where the key widths, key words, code widths and code
+  words begin, and where the code words end; ``keys``, ``codes``: how many it packs,
+  ``used_*_words``: the words each stream's values fill. Integers or ``int32`` arrays alike.
+
+  >>> stream_offsets(40, 40, 3, 5)  # 2 blocks of widths each: one word
+  (0, 1, 4, 5, 10)
+  """
+  widths_words = lambda n: ((n + bitpack.BLOCK - 1) // bitpack.BLOCK + 3) // 4
+  key_words_at = widths_words(keys)
+  code_widths_at = key_words_at + used_key_words
+  code_words_at = code_widths_at + widths_words(codes)
+  return 0, key_words_at, code_widths_at, code_words_at, code_words_at + used_code_words
+
+
+def packed_words(keys: int, codes: int) -> int:
+  """The words :func:`pack_program` returns for ``keys`` key slots and ``codes`` code slots:
+  what any counts fill."""
+  widths = lambda n: -(-bitpack.num_blocks(n) // 4)
+  return widths(keys) + bitpack.max_words(keys) + widths(codes) + bitpack.max_words(codes)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def pack_program(plan: Plan, ranked: bool, keys: tuple, new: tuple, old: tuple,
-                 counts: jax.Array, block_counts: tuple) -> tuple:
-  """A chunk's changes as ``(key widths, key words, used key words, code widths, code words,
-  used code words)`` (see :func:`~jsparse._src.core.bitpack.pack`). ``ranked``: the keys of
-  ordered segments are ranks (else every key is a position). ``counts``: per segment,
-  the changes to code (0 for segments carried densely or empty); ``block_counts``: per
-  segment split into blocks, its changes per block (else None)."""
-  gap_parts, code_parts = [], []
+                 counts: jax.Array, block_counts: tuple) -> tuple[jax.Array, jax.Array]:
+  """A chunk's changes as ``(words, used)``: its two streams (see
+  :func:`~jsparse._src.core.bitpack.pack`) laid in one ``uint32`` buffer as
+  :func:`aligned_streams` lays them (key widths, key words, code widths, code words, each from
+  a word: :func:`stream_offsets`), zeros after them, and ``int32[2]``, the words the key and the
+  code values fill. ``ranked``: the keys of ordered segments are ranks (else every key is a
+  position). ``counts``: per segment, the changes to code (0 for segments carried densely or
+  empty); ``block_counts``: per segment split into blocks, its changes per block (else None).
+  The host copies the buffer's used prefix in one piece."""
   key_start, code_start = jnp.int32(0), jnp.int32(0)
   total_keys = sum(k.shape[0] for k in keys)
   total_codes = sum(k.shape[0] * values_per_change(seg) for k, seg in zip(keys, plan.segments))
@@ -151,7 +176,17 @@ def pack_program(plan: Plan, ranked: bool, keys: tuple, new: tuple, old: tuple,
                         code_start + index[:, None] * k + jnp.arange(k)[None, :], total_codes)
     code_stream = code_stream.at[code_at.reshape(-1)].set(codes.reshape(-1), mode="drop")
     key_start, code_start = key_start + count, code_start + count * k
-  return (*bitpack.pack(gap_stream, key_start), *bitpack.pack(code_stream, code_start))
+  words = jnp.zeros((packed_words(total_keys, total_codes),), jnp.uint32)
+  _, key_words_at, _, _, _ = stream_offsets(key_start, code_start, 0, 0)
+  key_widths, words, used_keys = bitpack.pack(gap_stream, key_start, out=words, at=key_words_at)
+  _, _, code_widths_at, code_words_at, _ = stream_offsets(key_start, code_start, used_keys, 0)
+  code_widths, words, used_codes = bitpack.pack(code_stream, code_start, out=words,
+                                                at=code_words_at)
+  # Widths past the counts are 0: adding all of them leaves the words after the used ones.
+  for widths, at in ((key_widths, 0), (code_widths, code_widths_at)):
+    as_words = bitpack.bytes_as_words(widths)
+    words = words.at[at + jnp.arange(as_words.shape[0])].add(as_words, mode="drop")
+  return words, jnp.stack([used_keys, used_codes]).astype(jnp.int32)
 
 
 def block_of(leaf: LeafSpec, positions: jax.Array) -> jax.Array:
