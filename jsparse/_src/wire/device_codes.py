@@ -126,6 +126,11 @@ def _segment_entries(seg: Segment, ranked: bool, keys: jax.Array, new: jax.Array
   return _gaps(keys), codes, jnp.where(used, jnp.arange(keys.shape[0], dtype=jnp.int32), -1)
 
 
+def _widths_words(values):
+  """The words that the bit widths (a byte per block) of ``values`` values take."""
+  return ((values + bitpack.BLOCK - 1) // bitpack.BLOCK + 3) // 4
+
+
 def stream_offsets(keys, codes, used_key_words, used_code_words) -> tuple:
   """Where a chunk's two streams lie in the words of :func:`pack_program` (and of
   :func:`aligned_streams`): the words where the key widths, key words, code widths and code
@@ -135,18 +140,17 @@ def stream_offsets(keys, codes, used_key_words, used_code_words) -> tuple:
   >>> stream_offsets(40, 40, 3, 5)  # 2 blocks of widths each: one word
   (0, 1, 4, 5, 10)
   """
-  widths_words = lambda n: ((n + bitpack.BLOCK - 1) // bitpack.BLOCK + 3) // 4
-  key_words_at = widths_words(keys)
+  key_words_at = _widths_words(keys)
   code_widths_at = key_words_at + used_key_words
-  code_words_at = code_widths_at + widths_words(codes)
+  code_words_at = code_widths_at + _widths_words(codes)
   return 0, key_words_at, code_widths_at, code_words_at, code_words_at + used_code_words
 
 
 def packed_words(keys: int, codes: int) -> int:
   """The words :func:`pack_program` returns for ``keys`` key slots and ``codes`` code slots:
   what any counts fill."""
-  widths = lambda n: -(-bitpack.num_blocks(n) // 4)
-  return widths(keys) + bitpack.max_words(keys) + widths(codes) + bitpack.max_words(codes)
+  return (_widths_words(keys) + bitpack.max_words(keys) + _widths_words(codes)
+          + bitpack.max_words(codes))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
