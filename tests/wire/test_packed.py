@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 import jsparse
 from jsparse._src.core import bitpack
 from jsparse._src.core.chunks import chunks_of
-from jsparse._src.sync import auto, packed_units
+from jsparse._src.sync import auto, packed_stage, packed_units
 from jsparse._src.wire import device_codes, framing
 from jsparse.benchmarks.scale import layered_tree, rl_like_update
 from jsparse.testing import assert_trees_bitwise_equal, special_values
@@ -223,6 +223,26 @@ def test_packed_bytes_stay_near_the_compact_format_on_an_rl_like_update():
   assert sizes["packed"] <= 1.1 * sizes["ranked"], sizes
   assert sizes["packed"] / changed <= 1.4, sizes
   assert sizes["packed-positioned"] <= 1.6 * sizes["positioned"], sizes
+
+
+@pytest.mark.parametrize("coding", ["packed", "packed-positioned"])
+def test_the_prefix_sliced_on_the_device_gives_the_bytes_read_in_place(monkeypatch, coding):
+  """On an accelerator the sender copies each chunk's used prefix, sliced on the device; on CPU
+  devices it reads the whole buffer in place. Both give the same payload, whole and in parts."""
+  tree = layered_tree(8, 256)
+  plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, capacity=0.05)
+  new = rl_like_update(tree, seed=2)
+
+  def payloads():
+    sender = jsparse.Sender(plan, tree, coding=coding)
+    return sender.send(new), sender.send_part(rl_like_update(new, seed=3))
+
+  in_place = payloads()
+  sliced = []
+  monkeypatch.setattr(packed_stage, "_prefix", lambda x, size: sliced.append(size) or x[:size])
+  monkeypatch.setattr(packed_stage, "in_host_memory", lambda x: False)
+  assert payloads() == in_place
+  assert sliced and all(size >= 256 for size in sliced)  # the path ran, at its sizes
 
 
 def test_auto_measures_every_coding_on_its_tree_and_picks_the_fastest_over_the_link():

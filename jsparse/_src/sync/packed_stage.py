@@ -2,11 +2,13 @@
 device inputs. The device codes; the host moves words.
 
 Sender (:func:`packed_body`): each chunk with changes runs ``pack_program`` on the device (all
-chunks are dispatched at once); the host then reads every stream's used length in one copy,
-copies only the used prefix of each stream (sliced on the device at one of a few sizes, at most
-twice what is used) in one ``device_get``, and frames them. (Streams of parts, where a part
-crosses the link while the next is packed, copy unit by unit: ``packed_units.py``.) Receiver (:func:`receiver_inputs`):
-the streams of all chunks staged on one device go there in one copy (each array on a word);
+chunks are dispatched at once), which lays its two streams in one buffer as the receiver reads
+them; the host then reads every chunk's used lengths in one copy, copies only the used prefix
+of each buffer (sliced on the device at one of a few sizes, at most twice what is used; on CPU
+devices read in place) in one ``device_get``, and frames them. (Streams of parts, where a part
+crosses the link while the next is packed, copy unit by unit: ``packed_units.py``.) Receiver
+(:func:`receiver_inputs`): the streams of all chunks staged on one device go there in one copy
+(each array on a word);
 each chunk is unpacked and checked there from its offsets (one flag per chunk, read before
 anything is applied), and replicated over the devices of each segment's leaves, as
 ``staging.py`` does for the other formats.
@@ -58,6 +60,12 @@ def _prefix(x: jax.Array, size: int) -> jax.Array:
   return x[:size]
 
 
+def in_host_memory(x: jax.Array) -> bool:
+  """Whether ``x`` is in the host's memory (on CPU devices), where the host reads it in place:
+  there a copy of a prefix on the device would only add a copy."""
+  return all(d.platform == "cpu" for d in x.devices())
+
+
 def used_streams(outputs: tuple, keys: int, codes: int) -> tuple[np.ndarray, ...]:
   """The used words of a ``pack_program``'s two streams, as four arrays (key widths, key
   words, code widths, code words) copied to the host; ``keys`` and ``codes``: how many it
@@ -68,15 +76,17 @@ def used_streams(outputs: tuple, keys: int, codes: int) -> tuple[np.ndarray, ...
 def copied_streams(packed: Sequence[tuple]) -> list[tuple[np.ndarray, ...]]:
   """:func:`used_streams` of several ``(outputs, keys, codes)`` at once: their used word
   counts in one copy, then each buffer's used prefix (sliced on the device at one of a few
-  sizes, :func:`copy_size`) in one ``device_get``, the copies in flight together; the four
-  arrays are views of the copied words."""
+  sizes, :func:`copy_size`; on CPU devices the whole buffer, read in place) in one
+  ``device_get``, the copies in flight together; the four arrays are views of the copied
+  words."""
   used = jax.device_get([outputs[1] for outputs, _, _ in packed])
   offsets, prefixes = [], []
   for ((words, _), keys, codes), (key_words, code_words) in zip(packed, used):
     at = device_codes.stream_offsets(keys, codes, int(key_words), int(code_words))
     size = copy_size(at[-1])
     offsets.append((at, keys, codes))
-    prefixes.append(words if size >= words.shape[0] else _prefix(words, size))
+    whole = size >= words.shape[0] or in_host_memory(words)
+    prefixes.append(words if whole else _prefix(words, size))
   out = []
   for host, (at, keys, codes) in zip(jax.device_get(prefixes), offsets):
     words = np.asarray(host).astype("<u4", copy=False)
