@@ -314,9 +314,9 @@ class SlotLevels:
   0 to 6 steps of ``sqrt(2)`` (the *level*: :func:`level_slots`), each level a compilation. A
   training run's density drifts across those boundaries (AdamW: 2.2% to 0.85% over its first
   steps), and compiling a level when a step first needs it stalls that step for seconds.
-  Instead, the first call of a chunk's programs
-  runs (and compiles) level 0, the capacity, which holds any step's changes; a level that a
-  later step needs is compiled on a background thread, ahead of time (``lower`` and
+  Instead, the first call of a chunk's programs runs (and compiles) level 0, the capacity,
+  which holds any step's changes; a level that a later step needs is compiled on a
+  background thread, ahead of time (``lower`` and
   ``compile`` with the shapes and shardings the call will have), and until it is ready the
   highest compiled level that holds the changes serves: more slots, the same result. Levels
   never needed are never compiled. In a job of several processes every process must run the
