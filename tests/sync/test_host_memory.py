@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import jsparse
-from jsparse.testing import assert_trees_bitwise_equal
 from jsparse._src.sync import programs
 from jsparse._src.wire import compact, framing
+from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
 
 
@@ -30,7 +30,7 @@ def _synced_pair(monkeypatch, seed: int, coding: str = "ranked"):
   receiver = jsparse.Receiver(plan, plan.cast(params))
   new = perturb(params)
   receiver.receive(sender.send(new))
-  programs.wait_for_slot_levels()  # the steady state: no compilation traced with the sync
+  assert programs.wait_for_slot_levels(timeout=600)  # the steady state: none compiling
   return plan, sender, receiver, perturb(new)
 
 

@@ -106,8 +106,8 @@ def pack(values: jax.Array, count: jax.Array | int, page_blocks: int = PAGE_BLOC
     ``(widths, words, used)``: ``uint8[blocks]`` bit widths (0 for blocks past ``count``),
     ``uint32[max_words(size)]`` words of which the first ``used`` (an ``int32`` scalar,
     :func:`num_words`) hold the values. Shapes depend on ``values.shape`` only. With ``out``
-    (``uint32`` words, zero where the values go), ``words`` is ``out`` with the values'
-    words added from word ``at`` on: several streams packed into one buffer.
+    (``uint32`` words, zero where the values go), ``words`` is ``out`` (its shape) with the
+    values' words added from word ``at`` on: several streams packed into one buffer.
   """
   blocks = _blocked(values, count)
   widths = jnp.max(32 - lax.clz(blocks), axis=1).astype(jnp.int32)

@@ -67,18 +67,24 @@ def in_host_memory(x: jax.Array) -> bool:
 
 
 def used_streams(outputs: tuple, keys: int, codes: int) -> tuple[np.ndarray, ...]:
-  """The used words of a ``pack_program``'s two streams, as four arrays (key widths, key
-  words, code widths, code words) copied to the host; ``keys`` and ``codes``: how many it
-  packed."""
+  """The used words of a ``pack_program``'s two streams, as four arrays on the host (key
+  widths, key words, code widths, code words); ``keys`` and ``codes``: how many it packed."""
   return copied_streams([(outputs, keys, codes)])[0]
+
+
+def _streams_in(words: np.ndarray, at: tuple, keys: int, codes: int) -> tuple[np.ndarray, ...]:
+  """The four arrays of a chunk's streams, as views of its words (``at``:
+  ``device_codes.stream_offsets``; widths are bytes, least significant first in a word)."""
+  words = words.astype("<u4", copy=False)
+  widths = lambda start, n: words[start:].view(np.uint8)[:bitpack.num_blocks(n)]
+  return (widths(at[0], keys), words[at[1]:at[2]], widths(at[2], codes), words[at[3]:at[4]])
 
 
 def copied_streams(packed: Sequence[tuple]) -> list[tuple[np.ndarray, ...]]:
   """:func:`used_streams` of several ``(outputs, keys, codes)`` at once: their used word
   counts in one copy, then each buffer's used prefix (sliced on the device at one of a few
   sizes, :func:`copy_size`; on CPU devices the whole buffer, read in place) in one
-  ``device_get``, the copies in flight together; the four arrays are views of the copied
-  words."""
+  ``device_get``, the copies in flight together; the four arrays are views of those words."""
   used = jax.device_get([outputs[1] for outputs, _, _ in packed])
   offsets, prefixes = [], []
   for ((words, _), keys, codes), (key_words, code_words) in zip(packed, used):
@@ -87,13 +93,8 @@ def copied_streams(packed: Sequence[tuple]) -> list[tuple[np.ndarray, ...]]:
     offsets.append((at, keys, codes))
     whole = size >= words.shape[0] or in_host_memory(words)
     prefixes.append(words if whole else _prefix(words, size))
-  out = []
-  for host, (at, keys, codes) in zip(jax.device_get(prefixes), offsets):
-    words = np.asarray(host).astype("<u4", copy=False)
-    widths = lambda start, n: words[start:].view(np.uint8)[:bitpack.num_blocks(n)]
-    out.append((widths(at[0], keys), words[at[1]:at[2]], widths(at[2], codes),
-                words[at[3]:at[4]]))
-  return out
+  return [_streams_in(np.asarray(host), *where)
+          for host, where in zip(jax.device_get(prefixes), offsets)]
 
 
 def _replicated(tree):

@@ -32,6 +32,7 @@ from jax import lax
 
 from jsparse._src.core import bitpack
 from jsparse._src.core.plan import LeafSpec, Plan, Segment
+from jsparse._src.errors import ConfigError
 from jsparse._src.wire import ulp_codes
 
 
@@ -180,7 +181,12 @@ def pack_program(plan: Plan, ranked: bool, keys: tuple, new: tuple, old: tuple,
                         code_start + index[:, None] * k + jnp.arange(k)[None, :], total_codes)
     code_stream = code_stream.at[code_at.reshape(-1)].set(codes.reshape(-1), mode="drop")
     key_start, code_start = key_start + count, code_start + count * k
-  words = jnp.zeros((packed_words(total_keys, total_codes),), jnp.uint32)
+  size = packed_words(total_keys, total_codes)
+  if size > np.iinfo(np.int32).max:  # its word offsets are int32
+    raise ConfigError(f"the packed coding lays a chunk's changes in one buffer of {size:,} "
+                      "words, past the int32 indices it uses: lower the plan's capacity, or use "
+                      "coding='ranked'")
+  words = jnp.zeros((size,), jnp.uint32)
   _, key_words_at, _, _, _ = stream_offsets(key_start, code_start, 0, 0)
   key_widths, words, used_keys = bitpack.pack(gap_stream, key_start, out=words, at=key_words_at)
   _, _, code_widths_at, code_words_at, _ = stream_offsets(key_start, code_start, used_keys, 0)
