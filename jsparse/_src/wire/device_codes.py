@@ -129,7 +129,7 @@ def _segment_entries(seg: Segment, ranked: bool, keys: jax.Array, new: jax.Array
 
 def _widths_words(values):
   """The words that the bit widths (a byte per block) of ``values`` values take."""
-  return ((values + bitpack.BLOCK - 1) // bitpack.BLOCK + 3) // 4
+  return (bitpack.num_blocks(values) + 3) // 4
 
 
 def stream_offsets(keys, codes, used_key_words, used_code_words) -> tuple:
@@ -187,8 +187,8 @@ def pack_program(plan: Plan, ranked: bool, keys: tuple, new: tuple, old: tuple,
                       "words, past the int32 indices it uses: lower the plan's capacity, or use "
                       "coding='ranked'")
   words = jnp.zeros((size,), jnp.uint32)
-  _, key_words_at, _, _, _ = stream_offsets(key_start, code_start, 0, 0)
-  key_widths, words, used_keys = bitpack.pack(gap_stream, key_start, out=words, at=key_words_at)
+  key_widths, words, used_keys = bitpack.pack(gap_stream, key_start, out=words,
+                                              at=_widths_words(key_start))
   _, _, code_widths_at, code_words_at, _ = stream_offsets(key_start, code_start, used_keys, 0)
   code_widths, words, used_codes = bitpack.pack(code_stream, code_start, out=words,
                                                 at=code_words_at)
