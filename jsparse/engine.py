@@ -18,7 +18,9 @@ from typing import Any
 
 from jsparse._src.engine.feed import DirectoryFeed, Entry, Feed, PartsLostError
 from jsparse._src.engine.publisher import Publisher
+from jsparse._src.engine.signing import Ed25519Key, HmacKey
 from jsparse._src.engine.subscriber import Subscriber, SubscriberStats
+from jsparse._src.errors import FencedError
 
 _LAZY = {"RayFeed": "ray_feed",  # Ray and obstore are imported on first use only
          "ObjectStoreFeed": "object_feed"}
@@ -31,5 +33,6 @@ def __getattr__(name: str) -> Any:
   raise AttributeError(f"module 'jsparse.engine' has no attribute {name!r}")
 
 
-__all__ = ["DirectoryFeed", "Entry", "Feed", "ObjectStoreFeed", "PartsLostError",  # noqa: F822
-           "Publisher", "RayFeed", "Subscriber", "SubscriberStats"]
+__all__ = ["DirectoryFeed", "Ed25519Key", "Entry", "FencedError", "Feed",  # noqa: F822
+           "HmacKey", "ObjectStoreFeed", "PartsLostError", "Publisher", "RayFeed", "Subscriber",
+           "SubscriberStats"]

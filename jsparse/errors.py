@@ -20,13 +20,14 @@ jsparse.errors.VersionError: a message
 
 from jsparse._src.chain_meta import ForeignPlanError
 from jsparse._src.engine.feed import PartsLostError
-from jsparse._src.errors import (ArgumentError, CheckpointError, ConfigError, IntegrityError,
-                                 JsparseError, OverflowedDeltaError, PayloadError, PlanError,
+from jsparse._src.errors import (ArgumentError, CheckpointError, ConfigError, FencedError,
+                                 IntegrityError, JsparseError, OverflowedDeltaError, PayloadError, PlanError,
                                  PlanMismatchError, VersionError)
 from jsparse._src.tunix.compat import TunixVersionError
 
 __all__ = [
-    "ArgumentError", "CheckpointError", "ConfigError", "ForeignPlanError", "IntegrityError",
+    "ArgumentError", "CheckpointError", "ConfigError", "FencedError", "ForeignPlanError",
+    "IntegrityError",
     "JsparseError", "OverflowedDeltaError", "PartsLostError", "PayloadError", "PlanError",
     "PlanMismatchError", "TunixVersionError", "VersionError",
 ]

@@ -50,3 +50,8 @@ class IntegrityError(JsparseError, RuntimeError):
 
 class CheckpointError(JsparseError, RuntimeError):
   """A checkpoint step is missing, unreadable, corrupted or from another plan (named)."""
+
+
+class FencedError(JsparseError, RuntimeError):
+  """A publisher was replaced in its feed (a restored trainer claimed a newer generation, or the
+  feed now belongs to another run): it must stop publishing; nothing of it is applied after."""

@@ -40,6 +40,53 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
   return _POOLS[threads]
 
 
+def bounded_map(pool: concurrent.futures.Executor, fn: Callable[[T], R], items: Iterable[T],
+                window: int) -> list[R]:
+  """``[fn(x) for x in items]``, in order, on ``pool`` with at most ``window`` calls in flight.
+  After the first error no call is started, and those in flight are waited for before it is
+  raised: nothing keeps running after this returns.
+
+  >>> pool = concurrent.futures.ThreadPoolExecutor(2)
+  >>> bounded_map(pool, lambda x: 10 // x, [1, 2, 5], window=2)
+  [10, 5, 2]
+  >>> started = []
+  >>> def fails(x):
+  ...   started.append(x)
+  ...   return 1 // (x - 3)
+  >>> bounded_map(pool, fails, range(1000), window=2)
+  Traceback (most recent call last):
+  ...
+  ZeroDivisionError: integer division or modulo by zero
+  >>> len(started) < 10
+  True
+  """
+  numbered = enumerate(items)
+  results: dict[int, R] = {}
+  running: dict[concurrent.futures.Future, int] = {}
+  error: BaseException | None = None
+
+  def start_next() -> None:
+    for i, x in numbered:
+      running[pool.submit(fn, x)] = i
+      return
+
+  for _ in range(max(1, window)):
+    start_next()
+  while running:
+    done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+    for future in done:
+      i = running.pop(future)
+      try:
+        results[i] = future.result()
+      except BaseException as e:  # noqa: BLE001 - the first is raised once nothing runs
+        error = error or e
+      if error is None:
+        start_next()
+  if error is not None:
+    raise error
+  return [results[i] for i in range(len(results))]
+
+
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None = None
                 ) -> Iterator[R]:
   """Yields ``fn(x)`` for ``items`` in order, computing up to ``threads`` results ahead of the

@@ -9,11 +9,14 @@ the others skip. In a single process these return their argument.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from jsparse._src.engine.feed import KINDS, Entry, PartsLostError
+from jsparse._src.engine.records import PartMeta
 
 
 def agreed_flag(flag: bool) -> bool:
@@ -27,10 +30,32 @@ def agreed_entry(entry: Entry | None) -> Entry | None:
   """Process 0's choice of ``entry``, on every process."""
   if jax.process_count() == 1:
     return entry
-  row = np.array([-1, 0, 0, 0] if entry is None else
-                 [entry.version, KINDS.index(entry.kind), entry.base, entry.parts], np.int64)
-  version, kind, base, parts = (int(x) for x in multihost_utils.broadcast_one_to_all(row))
-  return None if version < 0 else Entry(version, KINDS[kind], base, parts)
+  row = np.array([-1, 0, 0, 0, 0] if entry is None else
+                 [entry.version, KINDS.index(entry.kind), entry.base, entry.parts,
+                  entry.generation], np.int64)
+  version, kind, base, parts, generation = (
+      int(x) for x in multihost_utils.broadcast_one_to_all(row))
+  run = agreed_bytes(b"" if entry is None else entry.run.encode("ascii")).decode("ascii")
+  return None if version < 0 else Entry(version, KINDS[kind], base, parts, generation, run)
+
+
+def gathered_parts(numbers: Sequence[int], metas: Sequence[PartMeta], parts: int
+                   ) -> list[PartMeta] | None:
+  """Every process's parts (``numbers[k]`` is described by ``metas[k]``; every process puts as
+  many), as a list of ``parts`` by number on process 0 (one all-gather); None on the others,
+  or where a part is not described by any process."""
+  if jax.process_count() == 1:
+    rows = [(n, m.size, m.digest) for n, m in zip(numbers, metas)]
+  else:
+    table = np.array([[n, m.size, *np.frombuffer(bytes.fromhex(m.digest), np.int64)]
+                      for n, m in zip(numbers, metas)], np.int64).reshape(-1, 4)
+    table = np.asarray(multihost_utils.process_allgather(table)).reshape(-1, 4)
+    if jax.process_index() != 0:
+      return None
+    rows = [(int(n), int(size), np.array([a, b], np.int64).tobytes().hex())
+            for n, size, a, b in table]
+  found = {n: PartMeta(size, digest) for n, size, digest in rows}
+  return [found[k] for k in range(parts)] if len(found) == parts else None
 
 
 def agreed_bytes(data: bytes) -> bytes:

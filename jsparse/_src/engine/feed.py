@@ -1,17 +1,21 @@
 """A *feed*: the versions a trainer has published, each one delta or anchor in parts, as a
 rollout sees them. :class:`DirectoryFeed` keeps them in a directory (a local path, or a mounted
-shared file system); ``ray_feed.py`` keeps them in Ray's object store.
+shared file system); ``ray_feed.py`` keeps them in Ray's object store, ``object_feed.py`` in an
+object store.
 
-A version is visible only once every part of it is there (:meth:`Feed.entries` lists committed
-entries only), so a rollout never sees half a version.
+A feed is storage only: parts, then a *commit* written create-only once every part is in (so a
+rollout never sees half a version), the run's marker and the publishers' generation claims.
+What a commit or claim says, and whether to trust it, is decided in ``records.py`` and
+``ledger.py``, the same for every feed kind.
 
 >>> import tempfile
 >>> feed = DirectoryFeed(tempfile.mkdtemp())
 >>> entry = Entry(version=1, kind="anchor", base=0, parts=2)
->>> feed.put(entry, 0, b"first half")
+>>> feed.put(entry, 0, b"first half"); feed.put(entry, 1, b"second half")
 >>> feed.entries(), feed.pending() == [entry]
 ([], True)
->>> feed.put(entry, 1, b"second half")
+>>> feed.commit(entry, b"the commit record") == b"the commit record"
+True
 >>> feed.entries() == [entry], [bytes(p) for p in feed.parts(entry)]
 (True, [b'first half', b'second half'])
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import re
 import shutil
@@ -27,10 +32,18 @@ import stat
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
-from jsparse._src.errors import JsparseError
+from jsparse._src.errors import ArgumentError, ConfigError, JsparseError
 from jsparse._src.options import typed_argument
 
 KINDS = ("delta", "anchor")
+MAX_VERSION = 1 << 62  # versions, bases and generations are below it (they travel as int64)
+MAX_PARTS = 99_999  # parts of one version
+_COMMIT_FIXED, _COMMIT_PER_PART = 1024, 64
+
+
+def commit_bytes_cap(parts: int) -> int:
+  """The most bytes a commit of ``parts`` parts takes: a read of a commit stops past it."""
+  return _COMMIT_FIXED + _COMMIT_PER_PART * parts
 
 
 class PartsLostError(JsparseError):
@@ -41,7 +54,7 @@ class PartsLostError(JsparseError):
 @dataclasses.dataclass(frozen=True, order=True)
 class Entry:
   """A published version: a ``"delta"`` from version ``base``, or an ``"anchor"`` (accepted on
-  any older base), in ``parts`` parts.
+  any older base), in ``parts`` parts, by the publisher of ``generation`` in run ``run`` (hex).
 
   >>> sorted([Entry(4, "delta", 3, 2), Entry(2, "anchor", 1, 2)])[0].version
   2
@@ -51,6 +64,39 @@ class Entry:
   kind: str
   base: int
   parts: int
+  generation: int = 0
+  run: str = ""
+
+  def __post_init__(self):
+    for name in ("version", "base", "generation"):
+      value = getattr(self, name)
+      if type(value) is not int or not 0 <= value < MAX_VERSION:
+        raise ConfigError(f"an entry's {name} is an int in [0, 2**62), got {value!r}")
+    if self.kind not in KINDS:
+      raise ConfigError(f"an entry's kind is one of {KINDS}, got {self.kind!r}")
+    if type(self.parts) is not int or not 1 <= self.parts <= MAX_PARTS:
+      raise ConfigError(f"an entry has 1 to {MAX_PARTS} parts, got {self.parts!r}")
+    if self.run and not _RUN_HEX.match(self.run):
+      raise ConfigError(f"an entry's run is 32 hex digits, got {self.run!r}")
+
+  @property
+  def name(self) -> str:
+    """The entry's name in a feed (its directory, or its objects' prefix)."""
+    return (f"v{self.version:020d}-{self.kind}-from-{self.base:020d}-of-{self.parts:05d}"
+            f"-g{self.generation:020d}-{self.run or _NO_RUN}")
+
+  @classmethod
+  def named(cls, name: str) -> "Entry | None":
+    """The entry of a feed name (None: not an entry's name, or out of range)."""
+    match = _NAME.match(name)
+    if not match:
+      return None
+    version, kind, base, parts, generation, run = match.groups()
+    try:
+      return cls(int(version), kind, int(base), int(parts), int(generation),
+                 "" if run == _NO_RUN else run)
+    except ConfigError:
+      return None
 
 
 class Feed(Protocol):
@@ -73,22 +119,33 @@ class Feed(Protocol):
   """
 
   def put(self, entry: Entry, part: int, data: bytes) -> None: ...
+  def commit(self, entry: Entry, record: bytes) -> bytes: ...
   def entries(self) -> list[Entry]: ...
+  def read_commit(self, entry: Entry) -> bytes: ...
   def pending(self) -> list[Entry]: ...
-  def parts(self, entry: Entry) -> Sequence: ...
+  def parts(self, entry: Entry, expected: Sequence | None = None,
+            check_digests: bool = False) -> Sequence: ...
   def remove(self, entry: Entry) -> None: ...
   def request_anchor(self) -> None: ...
   def take_anchor_request(self) -> bool: ...
   def run_id(self) -> bytes | None: ...
   def claim_run(self, run_id: bytes) -> bytes: ...
+  def generations(self) -> list[int]: ...
+  def read_generation(self, generation: int) -> bytes: ...
+  def claim_generation(self, generation: int, record: bytes) -> bool: ...
 
 
-_NAME = re.compile(r"^v(\d{20})-(delta|anchor)-from-(\d{20})-of-(\d{5})$")
+_NO_RUN = "norun"
+_RUN_HEX = re.compile(r"^[0-9a-f]{32}$")
+_NAME = re.compile(r"^v(\d{20})-(delta|anchor)-from-(\d{20})-of-(\d{5})-g(\d{20})-"
+                   r"([0-9a-f]{32}|norun)$")
+_GENERATION = re.compile(r"^GENERATION-(\d{20})$")
 _PART = re.compile(r"^part-(\d{5})\.bin$")
 _COMMITTED = "COMMITTED"
 _ANCHOR_REQUESTED = "ANCHOR_REQUESTED"
 _RUN = "RUN"
 _RUN_BYTES = 16
+_GENERATION_BYTES = 512
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -134,7 +191,7 @@ class FilePart:
     if isinstance(index, slice):
       start, stop, step = index.indices(self._size)
       if step != 1:
-        raise ValueError(f"{self.name}: only contiguous slices of a part can be read")
+        raise ArgumentError(f"{self.name}: only contiguous slices of a part can be read")
       return self._read(start, max(stop - start, 0))
     position = index + self._size if index < 0 else index
     if not 0 <= position < self._size:
@@ -146,7 +203,7 @@ class FilePart:
 
   def _read(self, start: int, length: int) -> bytes:
     if self._fd < 0:
-      raise ValueError(f"{self.name}: read from a closed part")
+      raise ConfigError(f"{self.name}: read from a closed part")
     chunks, done = [], 0
     while done < length:
       try:
@@ -178,10 +235,12 @@ class FilePart:
 
 class DirectoryFeed:
   """A feed in a directory: one sub-directory per entry, each part written atomically (a
-  temporary file, synced, renamed), and a ``COMMITTED`` marker created by whichever writer sees
-  the last part arrive (after syncing the directory, so a crash cannot leave a committed name
-  over unwritten data). Readers get :class:`FilePart` objects, so a rollout process reads only
-  the bytes it needs.
+  temporary file, synced, renamed), and a ``COMMITTED`` file holding the commit record, created
+  once every part is in (written whole under a temporary name and linked into place, after
+  syncing the directory, so a crash cannot leave a committed name over unwritten data).
+  Generation claims are ``GENERATION-<n>`` files made the same way (only one claim of a number
+  can succeed). Readers get :class:`FilePart` objects, so a rollout process reads only the bytes
+  it needs, each part checked against the size its commit gives.
 
   Only regular files and directories that the feed made are used: nothing is followed through
   a symbolic link, opened if it is not a regular file (a FIFO cannot block a reader), or
@@ -194,6 +253,7 @@ class DirectoryFeed:
   >>> import tempfile
   >>> feed = DirectoryFeed(tempfile.mkdtemp())
   >>> feed.put(Entry(1, "delta", 0, 1), 0, b"part")
+  >>> _ = feed.commit(Entry(1, "delta", 0, 1), b"{}")
   >>> [e.version for e in feed.entries()], feed.take_anchor_request()
   ([1], False)
   """
@@ -203,13 +263,8 @@ class DirectoryFeed:
                                     "a path (str or os.PathLike)"))
     self.root.mkdir(parents=True, exist_ok=True)
 
-  @staticmethod
-  def _name(entry: Entry) -> str:
-    return (f"v{entry.version:020d}-{entry.kind}-from-{entry.base:020d}"
-            f"-of-{entry.parts:05d}")
-
   def _dir(self, entry: Entry) -> Path:
-    return self.root / self._name(entry)
+    return self.root / entry.name
 
   @contextlib.contextmanager
   def _root_fd(self) -> Iterator[int]:
@@ -222,7 +277,7 @@ class DirectoryFeed:
   @contextlib.contextmanager
   def _entry_fd(self, root: int, entry: Entry, *, create: bool = False) -> Iterator[int]:
     """The entry's directory, open (never through a symbolic link)."""
-    name = self._name(entry)
+    name = entry.name
     if create:
       with contextlib.suppress(FileExistsError):
         os.mkdir(name, 0o755, dir_fd=root)
@@ -240,20 +295,49 @@ class DirectoryFeed:
       os.close(fd)
 
   def put(self, entry: Entry, part: int, data: bytes) -> None:
-    """Writes part ``part`` of ``entry``; commits the entry when all its parts are there.
+    """Writes part ``part`` of ``entry`` (durably: synced before it is renamed into place).
 
     Raises:
       PartsLostError: something that the feed did not make is in the entry's or the part's
         place (e.g. a symbolic link): nothing is written through it.
     """
-    if not 0 <= part < entry.parts:
-      raise ValueError(f"part {part} of an entry of {entry.parts} parts")
+    check_part_number(entry, part)
     with self._root_fd() as root, self._entry_fd(root, entry, create=True) as where:
       _write_atomically(where, f"part-{part:05d}.bin", data, self._dir(entry))
-      if len(_part_files(where, entry.parts)) == entry.parts:
-        os.fsync(where)  # the parts' names are durable before the marker is
-        _create_marker(where, _COMMITTED, self._dir(entry))
-        os.fsync(where)
+
+  def commit(self, entry: Entry, record: bytes) -> bytes:
+    """Commits ``entry`` with ``record`` (its commit), unless it is committed already; returns
+    the record it holds (``record``, or the one written first).
+
+    Raises:
+      PartsLostError: a part is missing, or something the feed did not make is in the
+        marker's place.
+    """
+    with self._root_fd() as root, self._entry_fd(root, entry) as where:
+      if len(_part_files(where, entry.parts)) != entry.parts:
+        raise PartsLostError(f"{self._dir(entry)}: not every part of version {entry.version} "
+                             f"({entry.kind}) is there: not committed")
+      os.fsync(where)  # the parts' names are durable before the marker is
+      _link_whole(where, _COMMITTED, record, self._dir(entry) / _COMMITTED)
+      os.fsync(where)
+    return self.read_commit(entry)
+
+  def read_commit(self, entry: Entry) -> bytes:
+    """The commit record of ``entry`` (at most :func:`commit_bytes_cap` bytes read; a longer
+    one is refused).
+
+    Raises:
+      PartsLostError: the entry is not committed (or was removed), or its marker is not a
+        regular file of a commit's size.
+    """
+    with self._root_fd() as root, self._entry_fd(root, entry) as where:
+      path = self._dir(entry) / _COMMITTED
+      data = _read_small(where, _COMMITTED, path, commit_bytes_cap(entry.parts))
+    if data is None:
+      raise PartsLostError(f"version {entry.version} ({entry.kind}) is not committed ({path})")
+    if len(data) > commit_bytes_cap(entry.parts):
+      raise PartsLostError(f"{path}: larger than a commit of {entry.parts} parts")
+    return data
 
   def entries(self) -> list[Entry]:
     """The committed entries, by version (a delta before an anchor of the same version)."""
@@ -268,24 +352,28 @@ class DirectoryFeed:
     found = []
     with self._root_fd() as root, os.scandir(root) as listing:
       for item in listing:
-        match = _NAME.match(item.name)
-        if not match or not item.is_dir(follow_symlinks=False):
+        entry = Entry.named(item.name)
+        if entry is None or not item.is_dir(follow_symlinks=False):
           continue
         try:
           marker = os.stat(f"{item.name}/{_COMMITTED}", dir_fd=root, follow_symlinks=False)
           committed = stat.S_ISREG(marker.st_mode)
         except (FileNotFoundError, NotADirectoryError):
           committed = False
-        version, kind, base, parts = match.groups()
-        found.append((Entry(int(version), kind, int(base), int(parts)), committed))
+        found.append((entry, committed))
     return found
 
-  def parts(self, entry: Entry) -> list[FilePart]:
-    """The parts of a committed entry, open for reading (:class:`FilePart`).
+  def parts(self, entry: Entry, expected: Sequence | None = None,
+            check_digests: bool = False) -> list:
+    """The parts of a committed entry, open for reading (:class:`FilePart`), each of the size
+    its commit gives (``expected``: the commit's parts, each with ``size`` and ``digest``).
+    With ``check_digests`` each part is read whole and checked against its checksum, and
+    returned as ``bytes``.
 
     Raises:
-      PartsLostError: the entry was removed (retention), a part is missing, or something
-        other than a regular file is in a part's place.
+      PartsLostError: the entry was removed (retention), a part is missing, of another size
+        or checksum than its commit says, or something other than a regular file is in a
+        part's place.
     """
     opened: list[FilePart] = []
     try:
@@ -293,10 +381,19 @@ class DirectoryFeed:
         for part in range(entry.parts):
           opened.append(_open_part(where, f"part-{part:05d}.bin",
                                    self._dir(entry) / f"part-{part:05d}.bin", entry, part))
+      if expected is not None:
+        check_sizes(opened, expected, entry)
+        if check_digests:
+          whole = [bytes(p) for p in opened]
+          check_checksums(whole, expected, entry)
+          return whole
     except BaseException:
       for p in opened:
         p.close()
       raise
+    if check_digests:
+      for p in opened:
+        p.close()
     return opened
 
   def part_bytes(self, entry: Entry) -> int:
@@ -312,7 +409,7 @@ class DirectoryFeed:
     """Deletes an entry, committed or pending (its marker first, so that no reader starts on
     it), with any temporary files in it. Nothing outside the root is touched: a symbolic link
     in the entry's place is removed itself."""
-    name = self._name(entry)
+    name = entry.name
     with self._root_fd() as root:
       try:
         found = os.stat(name, dir_fd=root, follow_symlinks=False)
@@ -349,26 +446,38 @@ class DirectoryFeed:
     >>> feed.claim_run(bytes(range(16))) == feed.claim_run(bytes(16)) == feed.run_id()
     True
     """
-    if len(run_id) != _RUN_BYTES:
-      raise ValueError(f"a run id is {_RUN_BYTES} bytes, got {len(run_id)}")
+    check_run_id(run_id)
     with self._root_fd() as root:
-      tmp = f".{_RUN}.{os.urandom(8).hex()}.tmp"  # unique across hosts sharing the feed
-      fd = _create(root, tmp)
-      try:
-        os.write(fd, run_id.hex().encode("ascii") + b"\n")
-        os.fsync(fd)
-      finally:
-        os.close(fd)
-      try:
-        os.link(tmp, _RUN, src_dir_fd=root, dst_dir_fd=root, follow_symlinks=False)
-        os.fsync(root)
-      except FileExistsError:
-        pass
-      finally:
-        with contextlib.suppress(OSError):
-          os.unlink(tmp, dir_fd=root)
+      _link_whole(root, _RUN, run_id.hex().encode("ascii") + b"\n", self.root / _RUN)
       return _run_of(_read_small(root, _RUN, self.root / _RUN, 2 * _RUN_BYTES + 1),
                      self.root / _RUN)
+
+  def generations(self) -> list[int]:
+    """The generations claimed in this feed (their numbers, unchecked), ascending."""
+    with self._root_fd() as root, os.scandir(root) as listing:
+      found = [int(m.group(1)) for item in listing if (m := _GENERATION.match(item.name))]
+    return sorted(g for g in found if g < MAX_VERSION)
+
+  def read_generation(self, generation: int) -> bytes:
+    """The record of a generation's claim (bounded; a longer one is refused).
+
+    Raises:
+      PartsLostError: it is gone, or not a regular file of a claim's size.
+    """
+    name = f"GENERATION-{generation:020d}"
+    with self._root_fd() as root:
+      data = _read_small(root, name, self.root / name, _GENERATION_BYTES)
+    if data is None or len(data) > _GENERATION_BYTES:
+      raise PartsLostError(f"{self.root / name}: " + (
+          "gone" if data is None else f"larger than a claim ({_GENERATION_BYTES} bytes)"))
+    return data
+
+  def claim_generation(self, generation: int, record: bytes) -> bool:
+    """Claims ``generation`` with ``record``: True if this call made the claim, False if the
+    number was claimed before (by anyone)."""
+    name = f"GENERATION-{generation:020d}"
+    with self._root_fd() as root:
+      return _link_whole(root, name, record, self.root / name)
 
   def request_anchor(self) -> None:
     """Asks the publisher for an anchor at its next version (a subscriber lost its state).
@@ -395,6 +504,60 @@ class DirectoryFeed:
       except OSError as e:
         raise PartsLostError(f"{self.root / _ANCHOR_REQUESTED}: expected a request marker, "
                              f"found {_found(_ANCHOR_REQUESTED, root)}") from e
+
+
+def check_part_number(entry: Entry, part: int) -> None:
+  if type(part) is not int or not 0 <= part < entry.parts:
+    raise ConfigError(f"part {part!r} of an entry of {entry.parts} parts")
+
+
+def check_run_id(run_id: bytes) -> None:
+  if not isinstance(run_id, bytes) or len(run_id) != _RUN_BYTES:
+    raise ConfigError(f"a run id is {_RUN_BYTES} bytes, got {run_id!r:.60}")
+
+
+def check_sizes(parts: Sequence, expected: Sequence, entry: Entry) -> None:
+  """Refuses parts whose sizes are not those their commit gives."""
+  for k, (part, meta) in enumerate(zip(parts, expected, strict=True)):
+    if len(part) != meta.size:
+      raise PartsLostError(f"version {entry.version} ({entry.kind}): part {k} has {len(part)} "
+                           f"bytes, its commit says {meta.size}")
+
+
+def check_checksums(parts: Sequence, expected: Sequence, entry: Entry) -> None:
+  """Refuses parts whose BLAKE2b checksums are not those their commit gives."""
+  for k, (part, meta) in enumerate(zip(parts, expected, strict=True)):
+    if hashlib.blake2b(memoryview(part).cast("B"), digest_size=16).hexdigest() != meta.digest:
+      raise PartsLostError(f"version {entry.version} ({entry.kind}): part {k}'s bytes are not "
+                           "those committed (checksum)")
+
+
+def _link_whole(where: int, name: str, data: bytes, path: Path) -> bool:
+  """Creates ``name`` in ``where`` holding ``data``, atomically and only if absent: written
+  whole under a unique temporary name, synced, and linked into place (a link fails if the name
+  exists: of two writers, one wins). True if this call created it."""
+  tmp = f".{name}.{os.urandom(8).hex()}.tmp"  # unique across hosts sharing the feed
+  try:
+    fd = _create(where, tmp)
+  except OSError as e:
+    raise PartsLostError(f"{path}: cannot create a temporary file ({e.strerror})") from e
+  try:
+    try:
+      view = memoryview(data).cast("B")
+      while view:
+        view = view[os.write(fd, view):]
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    try:
+      os.link(tmp, name, src_dir_fd=where, dst_dir_fd=where, follow_symlinks=False)
+    except FileExistsError:
+      return False
+    os.fsync(where)
+    return True
+  finally:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp, dir_fd=where)
 
 
 def _read_small(where: int, name: str, path: Path, size: int) -> bytes | None:

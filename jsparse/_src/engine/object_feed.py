@@ -3,18 +3,21 @@ memory), so that a trainer and its rollouts can be in different clusters or data
 
 An object store has no rename, so a version is made atomic by a *commit object*, written last
 and only if absent (a create-only conditional put: ``If-None-Match: *`` on S3 and Azure,
-``ifGenerationMatch=0`` on GCS, an exclusive link on a local disk). The commit names every
-part object of the version with its size and BLAKE2b checksum; readers list commit objects
-only, and check each part they read against its commit, so they never see half a version, a
-mix of two versions, or bytes changed since the commit.
+``ifGenerationMatch=0`` on GCS, an exclusive link on a local disk). The commit (``records.py``)
+gives every part's size and BLAKE2b checksum; readers list commit objects only, and check each
+part they read against its commit, so they never see half a version, a mix of two versions, or
+bytes changed since the commit. Every read is bounded by what the reader expects: a commit by
+its part count, a part by its committed size (refused as soon as the store says it is larger,
+before its body is read), a marker by a few hundred bytes.
 
-Layout under the feed's URL (``<entry>`` names the version, its kind, base and part count)::
+Layout under the feed's URL (``<entry>`` names the version, its kind, base, part count,
+generation and run)::
 
   RUN                               the run id (create-only, as DirectoryFeed's)
   ANCHOR_REQUESTED                  a rollout asked for an anchor (take = delete)
+  generations/<n>                   a publisher's claim of generation n (create-only)
   commits/<entry>                   the commit object (JSON): the version is visible
-  parts/<entry>/part-<k>-<run>-<size>-<blake2b>.bin
-                                    part k, put by whichever trainer process made it
+  parts/<entry>/part-<k>.bin        part k, put by whichever trainer process made it
   removed/<entry>@<unix ms>         a tombstone: its parts go after the grace period
 
 The client is `obstore <https://developmentseed.org/obstore>`_, the Python binding of the Rust
@@ -26,13 +29,15 @@ per-request timeouts, and credentials from each store's usual configuration (env
 instance metadata, or options passed through).
 
 >>> feed = ObjectStoreFeed("memory://", grace_seconds=0)
->>> run = feed.claim_run(bytes(16))
 >>> delta = Entry(version=1, kind="delta", base=0, parts=2)
->>> feed.put(delta, 1, b"second")  # committed once the last of its parts is in
+>>> feed.put(delta, 1, b"second"); feed.put(delta, 0, b"first")
 >>> [feed.entries(), feed.pending() == [delta]]
 [[], True]
->>> feed.put(delta, 0, b"first")
->>> [bytes(p) for p in feed.parts(delta)], feed.remove(delta), feed.entries()
+>>> feed.commit(delta, b"the commit record")
+b'the commit record'
+>>> from jsparse._src.engine.records import part_meta
+>>> parts = feed.parts(delta, [part_meta(b"first"), part_meta(b"second")])
+>>> [bytes(p) for p in parts], feed.remove(delta), feed.entries()
 ([b'first', b'second'], None, [])
 """
 
@@ -40,34 +45,33 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import hashlib
-import json
 import re
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import obstore
 from obstore.exceptions import AlreadyExistsError, NotSupportedError
 from obstore.exceptions import BaseError as StoreError
 
-from jsparse._src.engine.feed import (_NAME, _RUN_BYTES, DirectoryFeed, Entry, PartsLostError,
-                                      _run_of, _sort_key)
+from jsparse._src.engine.feed import (_GENERATION_BYTES, _RUN_BYTES, MAX_VERSION, Entry,
+                                      PartsLostError, _run_of, _sort_key, check_checksums,
+                                      check_part_number, check_run_id, check_sizes,
+                                      commit_bytes_cap)
 from jsparse._src.errors import ConfigError
 from jsparse._src.options import float_option, int_option
+from jsparse._src.threads import bounded_map
 
-_FORMAT = "jsparse-object-feed/1"
 _RUN, _ANCHOR_REQUESTED = "RUN", "ANCHOR_REQUESTED"
-_COMMITS, _PARTS, _REMOVED = "commits", "parts", "removed"
-_PART = re.compile(r"^part-(\d{5})-([0-9a-f]{32}|none)-(\d{1,15})-([0-9a-f]{32})\.bin$")
+_COMMITS, _PARTS, _REMOVED, _GENERATIONS = "commits", "parts", "removed", "generations"
+_PART = re.compile(r"^part-(\d{5})\.bin$")
+_GENERATION = re.compile(r"^(\d{20})$")
 _TOMBSTONE = re.compile(r"^(.+)@(\d{1,15})$")
-_NO_RUN = "none"  # the writer token of parts put into a feed no publisher claimed
-_COMMIT_BYTES = 4096  # a commit object's size is at most this plus 256 per part
 _LOCAL = ("file", "memory")
 
 
-def _digest(data) -> str:
-  return hashlib.blake2b(data, digest_size=16).hexdigest()
+class _TooLarge(Exception):
+  """An object larger than a read expects (its size, or the bytes read when it was stopped)."""
 
 
 def _brief(error: BaseException) -> str:
@@ -79,14 +83,11 @@ def _brief(error: BaseException) -> str:
 class ObjectStoreFeed:
   """A feed in an object store (see the module docstring for the layout and the protocol).
 
-  A version is committed by whichever writer sees the last of its parts arrive: every
-  :meth:`put` uploads its part, then lists the version's part objects, and the writer that
-  finds all of them writes the commit object create-only. Two processes that both see the last
-  part write the same commit; the loser's put finds it there and is done. A second publisher
-  on the same prefix is refused by :meth:`claim_run` (the :class:`Publisher` raises
-  ``ConfigError``); one that bypasses it gets ``ConfigError`` from :meth:`put` when it tries
-  to commit a version already committed with other parts. Part names carry the writer's run
-  id, so parts of two runs are never committed together.
+  Every trainer process puts its parts (:meth:`put`); once all are in, the publisher's
+  process 0 commits the version (:meth:`commit`): one listing of its parts, then the commit
+  object, create-only.
+  Entry names carry the run and the publisher's generation, so the parts of two runs or two
+  publishers are never committed together.
 
   Every request is bounded: ``timeout`` per attempt, and transient failures (5xx, throttling,
   dropped connections, timeouts of reads) are retried with exponential backoff, at most
@@ -125,6 +126,7 @@ class ObjectStoreFeed:
   >>> import tempfile
   >>> feed = ObjectStoreFeed(f"file://{tempfile.mkdtemp()}/feed", grace_seconds=0)
   >>> feed.put(Entry(1, "delta", 0, 1), 0, b"part")
+  >>> _ = feed.commit(Entry(1, "delta", 0, 1), b"{}")
   >>> [e.version for e in feed.entries()], feed.take_anchor_request()
   ([1], False)
   >>> feed.remove(Entry(1, "delta", 0, 1)); feed.entries(), feed.pending()
@@ -164,7 +166,6 @@ class ObjectStoreFeed:
     except (StoreError, ValueError, OSError) as e:
       raise ConfigError(f"ObjectStoreFeed({self.url!r}): {_brief(e)}") from e
     self._local = scheme in _LOCAL
-    self._run: str | None = None  # this writer's run, hex (read from RUN at the first put)
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._lock = threading.Lock()
 
@@ -195,12 +196,27 @@ class ObjectStoreFeed:
     except (StoreError, OSError) as e:
       raise PartsLostError(f"{self.url}: {what} failed: {_brief(e)}") from e
 
-  def _get(self, key: str):
-    """The object's bytes (an ``obstore.Bytes``, sliceable, a buffer); FileNotFoundError if
-    absent."""
+  def _get(self, key: str, cap: int):
+    """The object's bytes, at most ``cap`` of them: one larger is refused as soon as the store
+    gives its size (before its body is read), and its body is read as a stream, stopped past
+    the cap (a store that gives a wrong size). FileNotFoundError if absent."""
     def get(store, key):
-      return obstore.get(store, key).bytes()
-    return self._call(f"reading {key}", get, key)
+      found = obstore.get(store, key)
+      if found.meta["size"] > cap:
+        raise _TooLarge(found.meta["size"])
+      chunks, size = [], 0
+      for chunk in found.stream(min_chunk_size=1 << 20):
+        size += len(chunk)
+        if size > cap:
+          raise _TooLarge(size)
+        chunks.append(chunk)
+      return chunks[0] if len(chunks) == 1 else b"".join(bytes(c) for c in chunks) \
+          if chunks else b""
+    try:
+      return self._call(f"reading {key}", get, key)
+    except _TooLarge as e:
+      raise PartsLostError(f"{self.url}/{key}: {e.args[0]} bytes or more, more than the "
+                           f"{cap} expected: not read") from None
 
   def _list(self, prefix: str) -> list[str]:
     """The keys of every object under ``prefix/`` (recursive), relative to the feed."""
@@ -236,146 +252,98 @@ class ObjectStoreFeed:
 
   # -- writing -------------------------------------------------------------------------------
 
-  def _writer(self) -> str:
-    """This writer's run id (hex) as part names carry it: the feed's run, read once."""
-    if self._run is None:
-      run = self.run_id()
-      if run is None:
-        return _NO_RUN
-      self._run = run.hex()
-    return self._run
-
   def put(self, entry: Entry, part: int, data) -> None:
-    """Uploads part ``part`` of ``entry`` (a multipart upload when large); commits the entry
-    when all its parts are there (see the class docstring).
+    """Uploads part ``part`` of ``entry`` (a multipart upload when large).
 
     Raises:
       PartsLostError: the store failed (after the retries).
-      ConfigError: another publisher writes into this feed: the version is already committed
-        with other parts, or two different objects of one part are there.
     """
-    if not 0 <= part < entry.parts:
-      raise ValueError(f"part {part} of an entry of {entry.parts} parts")
-    name, view = DirectoryFeed._name(entry), memoryview(data).cast("B")
-    run = self._writer()
-    key = f"{_PARTS}/{name}/part-{part:05d}-{run}-{len(view)}-{_digest(view)}.bin"
-    self._call(f"writing {key}", obstore.put, key, view)
-    found: dict[int, list[str]] = {}
-    for path in self._list(f"{_PARTS}/{name}"):
-      match = _PART.match(path.rsplit("/", 1)[-1])
-      if match and match.group(2) == run and int(match.group(1)) < entry.parts:
-        found.setdefault(int(match.group(1)), []).append(path.rsplit("/", 1)[-1])
-    if len(found) < entry.parts:
-      return  # another writer's put will see the last part
-    doubled = sorted(k for k, names in found.items() if len(names) > 1)
-    if doubled:
-      raise ConfigError(
-          f"{self.url}: version {entry.version} ({entry.kind}) has two different objects for "
-          f"part {doubled[0]} from run {run}: another publisher writes into this feed (a feed "
-          "has one publisher); remove the entry or use a new prefix")
-    commit = json.dumps({"format": _FORMAT, "version": entry.version, "kind": entry.kind,
-                         "base": entry.base, "run": run,
-                         "parts": [found[k][0] for k in range(entry.parts)]},
-                        indent=0).encode()
-    commit_key = f"{_COMMITS}/{name}"
+    check_part_number(entry, part)
+    key = f"{_PARTS}/{entry.name}/part-{part:05d}.bin"
+    self._call(f"writing {key}", obstore.put, key, memoryview(data).cast("B"))
+
+  def commit(self, entry: Entry, record: bytes) -> bytes:
+    """Commits ``entry`` with ``record`` (a create-only put of its commit object) unless it is
+    committed already; returns the record it holds. One listing of the entry's parts checks
+    that all are there: a publish of N parts costs N puts, one listing and one commit.
+
+    Raises:
+      PartsLostError: a part is missing, or the store failed (after the retries).
+    """
+    names = {path.rsplit("/", 1)[-1] for path in self._list(f"{_PARTS}/{entry.name}")}
+    missing = [k for k in range(entry.parts) if f"part-{k:05d}.bin" not in names]
+    if missing:
+      raise PartsLostError(f"{self.url}: part {missing[0]} of version {entry.version} "
+                           f"({entry.kind}) is not there: not committed")
+    key = f"{_COMMITS}/{entry.name}"
     try:
-      self._call(f"committing {commit_key}", obstore.put, commit_key, commit, mode="create")
+      self._call(f"committing {key}", obstore.put, key, bytes(record), mode="create")
+      return bytes(record)
     except AlreadyExistsError:
-      try:
-        held = bytes(self._get(commit_key))
-      except FileNotFoundError:
-        held = None  # removed since: committed, then retired
-      if held is not None and held != commit:
-        raise ConfigError(
-            f"{self.url}: version {entry.version} ({entry.kind}) is already committed with "
-            "other parts: another publisher writes into this feed (a feed has one "
-            "publisher)") from None
+      return self.read_commit(entry)
 
   # -- reading -------------------------------------------------------------------------------
 
   def entries(self) -> list[Entry]:
-    """The committed entries (their commit objects), by version."""
+    """The committed entries (their commit objects' names, unchecked), by version."""
     return sorted(self._named(self._list(_COMMITS)), key=_sort_key)
+
+  def read_commit(self, entry: Entry) -> bytes:
+    """The commit record of ``entry`` (at most :func:`commit_bytes_cap` bytes read).
+
+    Raises:
+      PartsLostError: the entry is not committed (or was removed), its commit is too large,
+        or the store failed.
+    """
+    try:
+      return bytes(self._get(f"{_COMMITS}/{entry.name}", commit_bytes_cap(entry.parts)))
+    except FileNotFoundError as e:
+      raise PartsLostError(f"version {entry.version} ({entry.kind}) is no longer in the feed "
+                           f"({self.url}/{_COMMITS}/{entry.name} is gone)") from e
 
   def pending(self) -> list[Entry]:
     """The entries with part objects but neither a commit nor a tombstone (e.g. a publish
     that failed), by version."""
-    done = {DirectoryFeed._name(e) for e in self.entries()} | set(self._tombstones())
+    done = {e.name for e in self.entries()} | set(self._tombstones())
     return sorted(self._named(n for n in self._dirs(_PARTS) if n not in done), key=_sort_key)
 
   @staticmethod
   def _named(names) -> list[Entry]:
-    found = []
-    for name in names:
-      match = _NAME.match(name.rsplit("/", 1)[-1])
-      if match:
-        version, kind, base, parts = match.groups()
-        found.append(Entry(int(version), kind, int(base), int(parts)))
-    return found
+    found = (Entry.named(name.rsplit("/", 1)[-1]) for name in names)
+    return [e for e in found if e is not None]
 
-  def parts(self, entry: Entry) -> list:
-    """The parts of a committed entry, each checked against its commit object (size and
-    BLAKE2b), as ``obstore.Bytes`` (bytes-like: ``len``, slicing, the buffer protocol).
+  def parts(self, entry: Entry, expected: Sequence | None = None,
+            check_digests: bool = True) -> list:
+    """The parts of a committed entry, as ``obstore.Bytes`` (bytes-like: ``len``, slicing, the
+    buffer protocol), each read only up to the size its commit gives (``expected``: the
+    commit's parts, each with ``size`` and ``digest``) and checked against its checksum (parts
+    are read whole here, so the check is always made).
+
+    At most ``max_concurrency`` reads are in flight; the first that fails stops the others
+    (none is started after it, those started are waited for) before this returns, so a forged
+    commit naming many parts cannot leave requests running.
 
     Raises:
-      PartsLostError: the entry is not committed (or was removed), its commit object is not
-        one this feed wrote for it, a part is missing or its bytes are not those committed,
-        or the store failed (after the retries).
+      PartsLostError: ``expected`` is not given, a part is missing, larger or of other bytes
+        than its commit says, or the store failed (after the retries).
     """
-    name = DirectoryFeed._name(entry)
-    try:
-      raw = self._get(f"{_COMMITS}/{name}")
-    except FileNotFoundError as e:
-      raise PartsLostError(f"version {entry.version} ({entry.kind}) is no longer in the feed "
-                           f"({self.url}/{_COMMITS}/{name} is gone)") from e
-    named = self._commit_parts(bytes(raw), entry, name)
-    if len(named) == 1:
-      return [self._part(name, *named[0])]
+    if expected is None or len(expected) != entry.parts:
+      raise PartsLostError(f"version {entry.version} ({entry.kind}): its parts are read as "
+                           "its commit gives them")
+    def read(k: int):
+      key = f"{_PARTS}/{entry.name}/part-{k:05d}.bin"
+      try:
+        return self._get(key, expected[k].size)
+      except FileNotFoundError as e:
+        raise PartsLostError(f"{self.url}/{key}: part {k} is gone") from e
     with self._lock:
       if self._pool is None:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency,
                                                            thread_name_prefix="jsparse-feed")
-    futures = [self._pool.submit(self._part, name, *p) for p in named]
-    return [f.result() for f in futures]
-
-  def _commit_parts(self, raw: bytes, entry: Entry, name: str) -> list[tuple[int, str, int, str]]:
-    """The parts a commit object names: (index, object name, size, digest) each; a commit
-    that is not this entry's, well formed, is a :class:`PartsLostError`."""
-    where = f"{self.url}/{_COMMITS}/{name}"
-    try:
-      if len(raw) > _COMMIT_BYTES + 256 * entry.parts:
-        raise ValueError(f"{len(raw)} bytes")
-      commit = json.loads(raw)
-      fields = (commit["format"], commit["version"], commit["kind"], commit["base"])
-      if fields != (_FORMAT, entry.version, entry.kind, entry.base):
-        raise ValueError(f"it is {fields[1:]}")
-      names = commit["parts"]
-      if not isinstance(names, list) or len(names) != entry.parts:
-        raise ValueError(f"it names {len(names)} parts, not {entry.parts}")
-      named = []
-      for k, part in enumerate(names):
-        match = _PART.match(part) if isinstance(part, str) else None
-        if not match or int(match.group(1)) != k or match.group(2) != commit["run"]:
-          raise ValueError(f"part {k} is named {part!r}")
-        named.append((k, part, int(match.group(3)), match.group(4)))
-      return named
-    except (ValueError, KeyError, TypeError) as e:
-      raise PartsLostError(f"{where}: not a commit of version {entry.version} "
-                           f"({entry.kind}) as this feed writes them ({e})") from e
-
-  def _part(self, name: str, k: int, part: str, size: int, digest: str):
-    key = f"{_PARTS}/{name}/{part}"
-    try:
-      data = self._get(key)
-    except FileNotFoundError as e:
-      raise PartsLostError(f"{self.url}/{key}: part {k} is gone") from e
-    if len(data) != size:
-      raise PartsLostError(f"{self.url}/{key}: part {k} has {len(data)} bytes, its commit "
-                           f"says {size}")
-    if _digest(data) != digest:
-      raise PartsLostError(f"{self.url}/{key}: part {k}'s bytes are not those committed "
-                           "(checksum)")
-    return data
+    found = bounded_map(self._pool, read, range(entry.parts), self.max_concurrency)
+    check_sizes(found, expected, entry)
+    check_checksums(found, expected, entry)
+    return found
 
   # -- retention -----------------------------------------------------------------------------
 
@@ -383,7 +351,7 @@ class ObjectStoreFeed:
     """Removes an entry: a committed one's commit object at once (a tombstone is written
     first) and its parts after ``grace_seconds``; a pending one's parts at once. Then deletes
     the parts of entries removed longer ago than the grace period (:meth:`collect`)."""
-    name = DirectoryFeed._name(entry)
+    name = entry.name
     if self._exists(f"{_COMMITS}/{name}"):
       stamp = f"{_REMOVED}/{name}@{int(time.time() * 1000)}"
       self._call(f"writing {stamp}", obstore.put, stamp, b"")
@@ -397,7 +365,7 @@ class ObjectStoreFeed:
     found: dict[str, list[tuple[str, int]]] = {}
     for key in self._list(_REMOVED):
       match = _TOMBSTONE.match(key.rsplit("/", 1)[-1])
-      if match and _NAME.match(match.group(1)):
+      if match and Entry.named(match.group(1)) is not None:
         found.setdefault(match.group(1), []).append((key, int(match.group(2))))
     return found
 
@@ -407,6 +375,7 @@ class ObjectStoreFeed:
 
     >>> feed = ObjectStoreFeed("memory://", grace_seconds=60)
     >>> feed.put(Entry(1, "delta", 0, 1), 0, b"part")
+    >>> _ = feed.commit(Entry(1, "delta", 0, 1), b"{}")
     >>> feed.remove(Entry(1, "delta", 0, 1))
     >>> feed.entries(), feed.collect(), feed.collect(now=time.time() + 60)
     ([], 0, 1)
@@ -431,10 +400,10 @@ class ObjectStoreFeed:
       PartsLostError: the run object does not hold a run id, or the store failed.
     """
     try:
-      data = bytes(self._get(_RUN))
+      data = bytes(self._get(_RUN, 2 * _RUN_BYTES + 1))
     except FileNotFoundError:
       return None
-    return _run_of(data[:2 * _RUN_BYTES + 2], f"{self.url}/{_RUN}")
+    return _run_of(data, f"{self.url}/{_RUN}")
 
   def claim_run(self, run_id: bytes) -> bytes:
     """Makes ``run_id`` (16 bytes) this feed's run unless it has one (a create-only put: of
@@ -444,8 +413,7 @@ class ObjectStoreFeed:
     >>> feed.claim_run(bytes(range(16))) == feed.claim_run(bytes(16)) == feed.run_id()
     True
     """
-    if len(run_id) != _RUN_BYTES:
-      raise ValueError(f"a run id is {_RUN_BYTES} bytes, got {len(run_id)}")
+    check_run_id(run_id)
     try:
       self._call(f"writing {_RUN}", obstore.put, _RUN, bytes(run_id).hex().encode() + b"\n",
                  mode="create")
@@ -454,8 +422,34 @@ class ObjectStoreFeed:
     run = self.run_id()
     if run is None:
       raise PartsLostError(f"{self.url}/{_RUN}: gone right after it was claimed")
-    self._run = run.hex()
     return run
+
+  def generations(self) -> list[int]:
+    """The generations claimed in this feed (their numbers, unchecked), ascending."""
+    found = (_GENERATION.match(k.rsplit("/", 1)[-1]) for k in self._list(_GENERATIONS))
+    return sorted(g for m in found if m and (g := int(m.group(1))) < MAX_VERSION)
+
+  def read_generation(self, generation: int) -> bytes:
+    """The record of a generation's claim (bounded).
+
+    Raises:
+      PartsLostError: it is gone, too large, or the store failed.
+    """
+    key = f"{_GENERATIONS}/{generation:020d}"
+    try:
+      return bytes(self._get(key, _GENERATION_BYTES))
+    except FileNotFoundError as e:
+      raise PartsLostError(f"{self.url}/{key}: gone") from e
+
+  def claim_generation(self, generation: int, record: bytes) -> bool:
+    """Claims ``generation`` with ``record`` (a create-only put): True if this call made the
+    claim, False if the number was claimed before."""
+    try:
+      self._call(f"claiming generation {generation}", obstore.put,
+                 f"{_GENERATIONS}/{generation:020d}", bytes(record), mode="create")
+      return True
+    except AlreadyExistsError:
+      return False
 
   def request_anchor(self) -> None:
     """Asks the publisher for an anchor at its next version (a subscriber lost its state)."""

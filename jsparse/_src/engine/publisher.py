@@ -8,6 +8,12 @@ up to ``keep`` versions catches up along the deltas, one that lags more takes th
 the feed never grows: a slow rollout never blocks the trainer, and nothing is deleted that a
 rollout needs while no newer anchor exists.
 
+Each publisher that opens a feed claims a *generation* larger than every earlier one (a
+create-only claim): a trainer restored from a saved state, and its zombie twin, hold different
+ones. Every entry carries its publisher's run and generation; rollouts follow only the newest
+generation of the feed's run, and a publisher whose generation was replaced (or whose run no
+longer owns the feed) is refused at its next publish with :class:`~jsparse.errors.FencedError`.
+
 >>> import tempfile, jax.numpy as jnp, jsparse
 >>> from jsparse._src.engine.feed import DirectoryFeed
 >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)
@@ -28,9 +34,12 @@ import logging
 import jax
 
 from jsparse._src.engine.agreement import (agreed_bytes, agreed_flag, agreed_int,
-                                           raise_if_any_failed)
+                                           gathered_parts, raise_if_any_failed)
 from jsparse._src.engine.feed import Entry, Feed, PartsLostError
-from jsparse._src.errors import ConfigError
+from jsparse._src.engine.ledger import Ledger
+from jsparse._src.engine.records import part_meta
+from jsparse._src.engine.signing import SigningKey, key_argument
+from jsparse._src.errors import ConfigError, FencedError
 from jsparse._src.options import feed_argument, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync.sender import Sender
@@ -48,11 +57,18 @@ class Publisher:
     chunk_bytes: each version (and each anchor) is streamed in parts of at most this many bytes
       of rollout data, each put into the feed as soon as it is coded: a trainer process never
       holds the whole dense state on the host.
+    key: sign every commit and generation claim with this key
+      (:class:`~jsparse.engine.HmacKey`, or an :class:`~jsparse.engine.Ed25519Key` holding the
+      private key); rollouts given the key (or the public key) apply nothing else.
+    cleanup_batch: at most this many leftovers of failed publishes are removed per publish (and
+      when the publisher starts), so that a feed full of them does not hold up publishing;
+      :attr:`leftovers` says how many remain.
 
   Raises:
     ConfigError: a bad option, or the feed belongs to another run (another trainer publishes
       into it): a feed has one publisher. A trainer that restarts resumes the run with
-      :meth:`~jsparse.Sender.restore` from its saved state, which keeps the run's identity.
+      :meth:`~jsparse.Sender.restore` from its saved state, which keeps the run's identity
+      (and claims a new generation, which fences off the process it replaces).
 
   Every entry is labelled by what it really is: when a publish fails halfway (a full disk, a
   lost store) its version is never committed, the sender's next payload is an anchor, and it
@@ -74,26 +90,61 @@ class Publisher:
   """
 
   def __init__(self, sender: Sender, feed: Feed, *, anchor_every: int | None = 8,
-               keep: int = 8, chunk_bytes: int = 64 << 20):
+               keep: int = 8, chunk_bytes: int = 64 << 20, key: SigningKey | None = None,
+               cleanup_batch: int = 16):
     self.sender = typed_argument("sender", sender, Sender, "a jsparse.Sender")
     self.feed = feed_argument(feed)
     self.chunk_bytes = int_option("chunk_bytes", chunk_bytes, minimum=1)
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.keep = int_option("keep", keep, minimum=0)
+    self.cleanup_batch = int_option("cleanup_batch", cleanup_batch, minimum=1)
+    self.key = key_argument("key", key)
+    if self.key is not None and not self.key.can_sign:
+      raise ConfigError("Publisher: its key holds only a public key; give it the private key "
+                        "(rollouts get the public one)")
     claim_run(sender, feed)
+    self.run = sender.run_id.hex()
+    self.ledger = Ledger(self.feed, self.key)
+    self.generation = agreed_int(_on_process_0(lambda: self.ledger.claim_generation(self.run)))
+    self.leftovers = 0  # failed publishes' entries still to remove (process 0's count)
     if jax.process_index() == 0:  # a previous trainer's failed publish: never to be committed
-      _housekeeping("removing failed publishes' parts", lambda: [
-          feed.remove(entry) for entry in pending_entries(feed)])
-    latest = agreed_int(self._latest() if jax.process_index() == 0 else 0)
+      _housekeeping("removing failed publishes' parts", lambda: self._clean([]))
+    latest = agreed_int(_on_process_0(self._latest))
     self._resync = latest >= 0 and latest != sender.version
     self._since_anchor = 0
-    self._anchor_owed = False  # a rollout asked for an anchor; none committed since
+    # A new generation over versions of earlier ones: the rollouts that lag behind them need an
+    # anchor of this generation (they follow only the newest).
+    self._anchor_owed = latest >= 0
     self.bytes_put = 0  # by this process, over all publishes
 
   def _latest(self) -> int:
-    """The newest committed version in the feed (-1: none); read on process 0."""
-    entries = self.feed.entries()
-    return max(e.version for e in entries) if entries else -1
+    """The newest version committed in this run, by any generation (-1: none)."""
+    return max((c.entry.version for c in self.ledger.commits(self.run)), default=-1)
+
+  def _check_fenced(self) -> None:
+    """Raises :class:`FencedError` on every process if this publisher was replaced: the feed
+    belongs to another run now, or a newer generation was claimed (read on process 0)."""
+    def replaced() -> str:
+      run = self.feed.run_id()
+      if run is None or run.hex() != self.run:
+        return (f"this feed now belongs to run {run.hex() if run else '(none: it was reset)'}, "
+                f"not to this publisher's run {self.run}")
+      newest = self.ledger.newest_generation(self.run)
+      if newest != self.generation:
+        return (f"generation {newest} of run {self.run} replaced this publisher's generation "
+                f"{self.generation} (another trainer was started or restored on this feed)"
+                if newest > self.generation else
+                f"this publisher's claim of generation {self.generation} is gone from the feed")
+      return ""
+    error = None
+    if jax.process_index() == 0:
+      try:
+        why = replaced()
+        error = FencedError(f"{why}: this publisher must stop; nothing it publishes is "
+                            "applied") if why else None
+      except Exception as e:  # noqa: BLE001 - every process raises it below
+        error = e
+    raise_if_any_failed(error)
 
   def publish(self, params: PyTree, *, anchor: bool = False, full: bool = False
               ) -> list[Entry]:
@@ -114,6 +165,7 @@ class Publisher:
       no rollout waits for what was lost. Failures of housekeeping after the commit (taking an
       anchor request, retention) are logged, not raised.
     """
+    self._check_fenced()
     if self._resync:
       version = max(agreed_int(self._latest() if jax.process_index() == 0 else 0),
                     self.sender.version) + 1
@@ -140,32 +192,71 @@ class Publisher:
     """Puts each part of a streamed version as it is produced, under the entry it really is;
     every process of the trainer returns, or all raise (see :meth:`publish`)."""
     entry = Entry(stream.version, "anchor" if stream.anchor else "delta",
-                  stream.base_version, stream.parts)
-    error = None
+                  stream.base_version, stream.parts, self.generation, self.run)
+    error, metas = None, []
     try:
       for k, data in enumerate(stream):  # to the end: the sender counts the stream done
         self.feed.put(entry, stream.numbers[k], data)
+        metas.append(part_meta(data))
         self.bytes_put += len(data)
     except Exception as e:  # noqa: BLE001 - agreed below, then raised
       error = e
     raise_if_any_failed(error)
+    parts = gathered_parts(stream.numbers[:len(metas)], metas, entry.parts)
+    self._check_fenced()  # a replaced publisher commits nothing more
+    if jax.process_index() == 0:
+      try:
+        if parts is None:
+          raise PartsLostError(f"version {entry.version}: not every part was put")
+        self.ledger.commit(entry, parts)
+      except Exception as e:  # noqa: BLE001 - every process raises it below
+        error = e
+    raise_if_any_failed(error)
     return entry
 
+  def _clean(self, written: list[Entry]) -> None:
+    """Removes up to ``cleanup_batch`` leftovers of failed publishes (never committed): those
+    of earlier generations or other runs, and this publisher's up to its version."""
+    leftovers = [e for e in pending_entries(self.feed) if e not in written and (
+        (e.run, e.generation) != (self.run, self.generation) or e.version <= self.sender.version)]
+    for entry in leftovers[:self.cleanup_batch]:
+      self.feed.remove(entry)
+    self.leftovers = max(0, len(leftovers) - self.cleanup_batch)
+    if self.leftovers:
+      logging.getLogger("jsparse").info(
+          "jsparse: %d leftovers of failed publishes remain in the feed (%d removed per "
+          "publish)", self.leftovers, self.cleanup_batch)
+
   def _retain(self, written: list[Entry]) -> None:
-    """Removes what the newest anchor replaces: older anchors, and older deltas outside the
-    last ``keep`` versions; and what failed publishes left (run by process 0)."""
-    for entry in pending_entries(self.feed):
-      if entry not in written and entry.version <= self.sender.version:
-        self.feed.remove(entry)  # a failed publish's parts (its version was never committed)
-    entries = self.feed.entries()
-    anchors = [e.version for e in entries if e.kind == "anchor"]
+    """Removes what the newest anchor of this generation replaces: older anchors and entries
+    of earlier generations, and older deltas outside the last ``keep`` versions; and what
+    failed publishes left (run by process 0). Only commits that verify count, and only this
+    publisher's own anchors: no forged name can make it delete a real entry."""
+    self._clean(written)
+    commits = [c.entry for c in self.ledger.commits(self.run)]
+    anchors = [e.version for e in commits if e.kind == "anchor" and e.generation ==
+               self.generation and e.version <= self.sender.version]
     if not anchors:
       return
-    newest, latest = max(anchors), max(e.version for e in entries)
-    for entry in entries:
-      if entry.version < newest and (entry.kind == "anchor"
-                                     or entry.version <= latest - self.keep):
+    newest, latest = max(anchors), self.sender.version
+    for entry in commits:
+      if entry.version < newest and (entry.kind == "anchor" or entry.generation !=
+                                     self.generation or entry.version <= latest - self.keep):
         self.feed.remove(entry)
+      elif entry.generation < self.generation and entry.version >= newest:
+        self.feed.remove(entry)  # a replaced publisher's: no rollout follows it any more
+
+
+def _on_process_0(call):
+  """``call()`` on process 0 (0 on the others); an error raises on every process."""
+  value, error = 0, None
+  if jax.process_index() == 0:
+    try:
+      value = call()
+    except Exception as e:  # noqa: BLE001 - every process raises it below
+      error = e
+  raise_if_any_failed(error)
+  return value
 
 
 def _housekeeping(what: str, call):

@@ -10,13 +10,14 @@ asking for an anchor. (The example is :class:`RayFeed`'s.)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import ray
 from ray import exceptions as ray_errors
 
-from jsparse._src.engine.feed import KINDS, Entry, PartsLostError
+from jsparse._src.engine.feed import (Entry, PartsLostError, _sort_key, check_checksums,
+                                      check_part_number, check_run_id, check_sizes)
 
 
 @ray.remote(num_cpus=0)
@@ -25,26 +26,49 @@ class _Registry:
 
   def __init__(self):
     self._parts: dict[Entry, dict[int, Any]] = {}
+    self._commits: dict[Entry, bytes] = {}
+    self._generations: dict[int, bytes] = {}
     self._anchor_requested = False
     self._run: bytes | None = None
 
   def put(self, entry: Entry, part: int, ref: list) -> None:
     self._parts.setdefault(entry, {})[part] = ref[0]  # in a list: Ray keeps it a reference
 
+  def commit(self, entry: Entry, record: bytes) -> bytes | None:
+    if len(self._parts.get(entry, ())) != entry.parts:
+      return None
+    return self._commits.setdefault(entry, bytes(record))
+
   def entries(self) -> list[Entry]:
-    done = [e for e, parts in self._parts.items() if len(parts) == e.parts]
-    return sorted(done, key=lambda e: (e.version, KINDS.index(e.kind)))
+    return sorted(self._commits, key=_sort_key)
+
+  def read_commit(self, entry: Entry) -> bytes | None:
+    return self._commits.get(entry)
 
   def pending(self) -> list[Entry]:
-    begun = [e for e, parts in self._parts.items() if len(parts) < e.parts]
-    return sorted(begun, key=lambda e: (e.version, KINDS.index(e.kind)))
+    return sorted((e for e in self._parts if e not in self._commits), key=_sort_key)
 
   def refs(self, entry: Entry) -> list | None:
     parts = self._parts.get(entry)
-    return None if parts is None else [[parts[i] for i in range(entry.parts)]]
+    if entry not in self._commits or parts is None:
+      return None
+    return [[parts[i] for i in range(entry.parts)]]
 
   def remove(self, entry: Entry) -> None:
     self._parts.pop(entry, None)  # the objects are freed once no reader holds them
+    self._commits.pop(entry, None)
+
+  def generations(self) -> list[int]:
+    return sorted(self._generations)
+
+  def read_generation(self, generation: int) -> bytes | None:
+    return self._generations.get(generation)
+
+  def claim_generation(self, generation: int, record: bytes) -> bool:
+    if generation in self._generations:
+      return False
+    self._generations[generation] = bytes(record)
+    return True
 
   def run_id(self) -> bytes | None:
     return self._run
@@ -75,11 +99,13 @@ class RayFeed:
   ...              _node_ip_address="127.0.0.1", log_to_driver=False)
   >>> feed = RayFeed.create("doctest-feed")  # pass it to the trainer and rollout actors
   >>> feed.put(Entry(1, "delta", 0, 1), 0, b"part")
-  >>> feed.entries(), bytes(feed.parts(Entry(1, "delta", 0, 1))[0])
-  ([Entry(version=1, kind='delta', base=0, parts=1)], b'part')
+  >>> feed.commit(Entry(1, "delta", 0, 1), b"its commit")
+  b'its commit'
+  >>> [e.version for e in feed.entries()], bytes(feed.parts(Entry(1, "delta", 0, 1))[0])
+  ([1], b'part')
   >>> feed.put(Entry(2, "delta", 1, 2), 0, b"half")  # a publish that failed half-way
-  >>> feed.pending()
-  [Entry(version=2, kind='delta', base=1, parts=2)]
+  >>> [e.version for e in feed.pending()]
+  [2]
   >>> ray.shutdown()
   """
 
@@ -105,34 +131,82 @@ class RayFeed:
 
   def put(self, entry: Entry, part: int, data: bytes) -> None:
     """Puts ``data`` into the object store (owned by this process) and registers it."""
+    check_part_number(entry, part)
     ref = ray.put(np.frombuffer(data, np.uint8))
     self._call("put", entry, part, [ref])
 
+  def commit(self, entry: Entry, record: bytes) -> bytes:
+    """Commits ``entry`` with ``record`` unless it is committed already; returns the record it
+    holds.
+
+    Raises:
+      PartsLostError: a part was not registered, or the registry did not answer.
+    """
+    held = self._call("commit", entry, bytes(record))
+    if held is None:
+      raise PartsLostError(f"not every part of version {entry.version} ({entry.kind}) is "
+                           "registered: not committed")
+    return held
+
   def entries(self) -> list[Entry]:
-    """The committed entries (every part put), by version."""
+    """The committed entries, by version."""
     return self._call("entries")
+
+  def read_commit(self, entry: Entry) -> bytes:
+    """The commit record of ``entry``.
+
+    Raises:
+      PartsLostError: it is not committed (or was removed).
+    """
+    held = self._call("read_commit", entry)
+    if held is None:
+      raise PartsLostError(f"version {entry.version} ({entry.kind}) is no longer in the feed")
+    return held
+
+  def generations(self) -> list[int]:
+    """The generations claimed in this feed, ascending."""
+    return self._call("generations")
+
+  def read_generation(self, generation: int) -> bytes:
+    """The record of a generation's claim."""
+    held = self._call("read_generation", generation)
+    if held is None:
+      raise PartsLostError(f"generation {generation} is not claimed in this feed")
+    return held
+
+  def claim_generation(self, generation: int, record: bytes) -> bool:
+    """Claims ``generation`` with ``record`` (the registry serializes claims): True if this
+    call made the claim."""
+    return self._call("claim_generation", generation, bytes(record))
 
   def pending(self) -> list[Entry]:
     """The entries with some parts put and not all (e.g. a publish that failed), by version:
     :meth:`remove` drops them (their objects are freed once no reader holds them)."""
     return self._call("pending")
 
-  def parts(self, entry: Entry) -> list[np.ndarray]:
-    """The parts of ``entry`` as read-only byte arrays (sliced by the receiver).
+  def parts(self, entry: Entry, expected: Sequence | None = None,
+            check_digests: bool = True) -> list[np.ndarray]:
+    """The parts of ``entry`` as read-only byte arrays (sliced by the receiver), each checked
+    against its commit (``expected``: size and checksum; parts arrive whole, so the checksum
+    is always checked when given).
 
     Raises:
-      PartsLostError: the entry was removed, a part's owner died or the store lost it, or a
-        read timed out.
+      PartsLostError: the entry was removed, a part's owner died or the store lost it, a read
+        timed out, or a part is not what its commit says.
     """
     refs = self._call("refs", entry)
     if refs is None:
       raise PartsLostError(f"version {entry.version} ({entry.kind}) is no longer in the feed")
     try:
-      return ray.get(refs[0], timeout=self.timeout)
+      found = ray.get(refs[0], timeout=self.timeout)
     except (ray_errors.ObjectLostError, ray_errors.GetTimeoutError, ray_errors.RayTaskError,
             ray_errors.WorkerCrashedError) as e:
       raise PartsLostError(f"version {entry.version} ({entry.kind}): a part is lost "
                            f"({type(e).__name__})") from e
+    if expected is not None:
+      check_sizes(found, expected, entry)
+      check_checksums(found, expected, entry)
+    return found
 
   def remove(self, entry: Entry) -> None:
     """Drops an entry, committed or pending, from the registry."""
@@ -145,6 +219,7 @@ class RayFeed:
   def claim_run(self, run_id: bytes) -> bytes:
     """Makes ``run_id`` the feed's run unless it has one (the registry serializes claims);
     returns the feed's run."""
+    check_run_id(run_id)
     return self._call("claim_run", bytes(run_id))
 
   def request_anchor(self) -> None:

@@ -29,6 +29,9 @@ import jax
 
 from jsparse._src.engine.agreement import agreed_bytes, agreed_entry, agreed_int
 from jsparse._src.engine.feed import Entry, Feed, PartsLostError
+from jsparse._src.engine.ledger import Ledger
+from jsparse._src.engine.records import Commit
+from jsparse._src.engine.signing import SigningKey, key_argument
 from jsparse._src.errors import IntegrityError, PayloadError, VersionError
 from jsparse._src.options import feed_argument, float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
@@ -36,6 +39,7 @@ from jsparse._src.sync import parts as parts_lib
 from jsparse._src.sync.receiver import NEEDS_ANCHOR, Receiver
 
 _FAILURES = (PayloadError, IntegrityError, VersionError, PartsLostError)
+_TRAINER_PROCESSES = 1024  # the default bound of a version's parts: this many times the units
 _TRANSIENT = PayloadError("damaged or missing parts")  # read them again once
 # What a rollout does about a version it cannot use (the trainer's Publisher answers a request
 # with an anchor at its next publish): nothing for the user to do while the trainer publishes.
@@ -81,10 +85,22 @@ class Subscriber:
       after as many more: it never waits silently. :attr:`SubscriberStats.stalled` says why
       it waits, and a warning is logged each time it asks.
 
+    key: apply only versions whose commits this key verifies (the trainer's
+      :class:`~jsparse.engine.HmacKey`, or its :class:`~jsparse.engine.Ed25519Key`'s public
+      key): unsigned or wrongly signed versions are ignored before any part is read, and
+      every part is checked against its signed checksum.
+    max_parts: a version naming more parts than this is ignored unread (default: what the
+      plan can produce from up to 1,024 trainer processes).
+
+  Only versions of the feed's run, committed by its newest generation (the trainer that
+  opened the feed last), are applied; so a zombie trainer's versions, another run's copied
+  into the feed, or a forged commit are never applied, and a version number never names two
+  states for a rollout.
+
   The feed's run identity is checked at every poll: a receiver restored from the state of
   another run (the feed was reset for a new run) does not serve its weights as this run's
-  version: it is detached (version 0, see :meth:`~jsparse.Receiver.detach`), with a warning,
-  and takes an anchor.
+  version: it is detached (:attr:`version` is None until it holds a version of this run, see
+  :meth:`~jsparse.Receiver.detach`), with a warning, and takes an anchor.
 
   >>> import tempfile, jax.numpy as jnp, jsparse
   >>> from jsparse import engine
@@ -99,9 +115,19 @@ class Subscriber:
   """
 
   def __init__(self, receiver: Receiver, feed: Feed, *, start_with_anchor: bool = False,
-               stall_versions: int = 2, stall_seconds: float = 60.0):
+               stall_versions: int = 2, stall_seconds: float = 60.0,
+               key: SigningKey | None = None, max_parts: int | None = None):
     self.receiver = typed_argument("receiver", receiver, Receiver, "a jsparse.Receiver")
     self.feed = feed_argument(feed)
+    self.key = key_argument("key", key)
+    self.ledger = Ledger(self.feed, self.key)
+    units = sum(seg.blocks for seg in receiver.plan.segments)
+    self.max_parts = int_option("max_parts", max_parts, minimum=1, optional=True) or \
+        _TRAINER_PROCESSES * max(1, units)
+    self._generation = 0  # the newest generation of the feed's run known (never goes back)
+    self._run = ""  # the feed's run (hex), as last read
+    self._commits: dict[Entry, Commit] = {}  # of the last listing
+    self._holds = not start_with_anchor  # the receiver holds a version of the feed's run
     self.stall_versions = int_option("stall_versions", stall_versions, minimum=1)
     self.stall_seconds = float_option("stall_seconds", stall_seconds)
     self.stats = SubscriberStats()
@@ -113,9 +139,15 @@ class Subscriber:
       self._request_anchor()
 
   @property
-  def version(self) -> int:
-    """The version the rollout holds: the policy version its samples come from."""
-    return self.receiver.version
+  def version(self) -> int | None:
+    """The version the rollout holds: the policy version its samples come from (None while it
+    holds no version of the feed's run: joined empty, or restored from another run's state)."""
+    return self.receiver.version if self._holds else None
+
+  @property
+  def generation(self) -> int:
+    """The newest generation of the feed's run this rollout knows (it follows only that)."""
+    return self._generation
 
   @property
   def params(self) -> PyTree:
@@ -132,7 +164,7 @@ class Subscriber:
         outcome = self._apply(entry, retry=True)
       if outcome is None:
         applied.append(entry.version)
-        self._needs_anchor = False
+        self._needs_anchor, self._holds = False, True
         continue
       self._skipped.add(entry)
       self.stats.skipped += 1
@@ -166,14 +198,17 @@ class Subscriber:
     if run_of is None:
       return
     feed_run = agreed_bytes(self._on_process_0("reading the feed's run", run_of) or b"") or None
+    if feed_run is not None and feed_run.hex() != self._run:
+      self._run, self._generation = feed_run.hex(), 0  # another run's generations
     if feed_run is None or self.receiver.run_id == feed_run:
       return
-    if self.receiver.run_id is not None and self.receiver.version:
+    if self.receiver.run_id is not None:
       logging.getLogger("jsparse").warning(
           "jsparse: this rollout holds version %d of run %s, but the feed belongs to run %s "
           "(reset for a new run): its weights are not served as this run's; it takes an "
           "anchor", self.receiver.version, self.receiver.run_id.hex(), feed_run.hex())
       self.receiver.detach()
+      self._holds = False
       self._needs_anchor = True
       self._request_anchor()
     self.receiver.run_id = feed_run
@@ -184,7 +219,8 @@ class Subscriber:
     newest = agreed_int(self._newest)  # from the poll's last listing (process 0's)
     if newest < 0:  # unread: said in stats.stalled; asked again at the next poll
       return
-    if newest <= self.version:
+    held = self.receiver.version
+    if newest <= held and self._holds:
       self._stall, self.stats.stalled = None, None
       return
     now = time.monotonic()
@@ -193,9 +229,9 @@ class Subscriber:
     if self.stats.stalled is None:
       self.stats.stalls += 1
     self.stats.stalled = f"the feed holds version {newest}, but this rollout holds " \
-        f"{self.version} and the feed has {missing}"
+        f"{held if self._holds else 'no version of its run'} and the feed has {missing}"
     if self._stall is None:
-      self._stall = (now, self.version)
+      self._stall = (now, held)
     since, at = self._stall
     if newest - at >= self.stall_versions or now - since >= self.stall_seconds:
       logging.getLogger("jsparse").warning("jsparse: stalled: %s; %s", self.stats.stalled,
@@ -205,17 +241,38 @@ class Subscriber:
       self._stall = (now, newest)  # ask again after as many more versions or seconds
 
   def _next(self) -> Entry | None:
-    """The entry to apply next (None: nothing now); notes the feed's newest version."""
+    """The entry to apply next (None: nothing now); notes the feed's newest version. Only
+    verified commits of the feed's run by its newest generation count; the generations are
+    read after the commits, so a commit of a replaced publisher that is listed is always
+    seen together with the generation that replaced it."""
     self._newest = -1  # unread, unless the listing below succeeds
-    listed = self.feed.entries()
-    self._newest = max((e.version for e in listed), default=0)
-    entries = [e for e in listed if e not in self._skipped]
+    if not self._run:
+      self._newest = 0
+      return None
+    listed = self.ledger.commits(self._run, self.max_parts)
+    self._generation = max(self._generation, self.ledger.newest_generation(self._run),
+                           max((c.entry.generation for c in listed), default=0))
+    current = [c for c in listed if c.entry.generation == self._generation]
+    self._commits = {c.entry: c for c in current}
+    self._newest = max((c.entry.version for c in current), default=0)
+    entries = [c.entry for c in current if c.entry not in self._skipped]
+    held = self.receiver.version
     if not self._needs_anchor:
-      deltas = [e for e in entries if e.kind == "delta" and e.base == self.version]
+      deltas = [e for e in entries if e.kind == "delta" and e.base == held]
       if deltas:
         return max(deltas)
-    anchors = [e for e in entries if e.kind == "anchor" and e.version > self.version]
+    anchors = [e for e in entries if e.kind == "anchor" and e.version > held]
     return max(anchors) if anchors else None
+
+  def _commit_of(self, entry: Entry) -> Commit:
+    """The verified commit of ``entry`` (read here on processes other than 0)."""
+    commit = self._commits.get(entry)
+    if commit is None:
+      commit = self.ledger.commit_of(entry)
+    if entry.parts > self.max_parts:
+      raise PartsLostError(f"version {entry.version} ({entry.kind}) names {entry.parts} parts, "
+                           f"more than this plan produces ({self.max_parts}): not read")
+    return commit
 
   def _apply(self, entry: Entry, retry: bool = False) -> Exception | None:
     """Applies ``entry``; else (logged, nothing applied) the error: ``_TRANSIENT`` ones (parts
@@ -224,7 +281,8 @@ class Subscriber:
     self.stats.retries += retry
     lost = None
     try:
-      parts = self.feed.parts(entry)
+      parts = self.feed.parts(entry, self._commit_of(entry).parts,
+                              check_digests=self.key is not None)
     except PartsLostError as e:
       lost, parts = e, []
     except Exception as e:  # noqa: BLE001 - any read failure: agreed below, read again once
@@ -236,7 +294,8 @@ class Subscriber:
       self.receiver.receive_parts(parts)
     except _FAILURES as e:
       if self.receiver.digest != before:  # a donating receiver kept what failed its check
-        self.receiver.detach()  # its bits are no version: it serves version 0 until an anchor
+        self.receiver.detach()  # its bits are no version: it serves none until an anchor
+        self._holds = False
       again = isinstance(e, (PayloadError, PartsLostError)) and not retry
       logging.getLogger("jsparse").warning(
           "jsparse: version %d (%s) not applied%s: %s; %s", entry.version, entry.kind,
