@@ -69,8 +69,8 @@ class _DamagingFeed:
   def __getattr__(self, name):
     return getattr(self.feed, name)
 
-  def parts(self, entry):
-    parts = [bytes(p) for p in self.feed.parts(entry)]
+  def parts(self, entry, *args, **kwargs):
+    parts = [bytes(p) for p in self.feed.parts(entry, *args, **kwargs)]
     if entry.version == self.version and entry.kind == "delta" and self.times:
       self.times -= 1
       if self.damage == "flip":

@@ -67,8 +67,8 @@ class RolloutFeed:
       return
     self.feed.request_anchor()
 
-  def parts(self, entry):
-    parts = self.feed.parts(entry)
+  def parts(self, entry, *args, **kwargs):
+    parts = self.feed.parts(entry, *args, **kwargs)
     how = self.damaged.pop(entry, None)
     if how is None:
       return parts

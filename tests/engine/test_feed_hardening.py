@@ -32,6 +32,7 @@ def outside(tmp_path):
 def _committed(feed, entry=ENTRY):
   for part in range(entry.parts):
     feed.put(entry, part, f"part {part} of {entry.version}".encode())
+  feed.commit(entry, b"a commit record")
   return entry
 
 
@@ -209,8 +210,9 @@ def test_a_marker_that_is_not_a_regular_file_does_not_commit(feed, outside, plan
   feed.put(ENTRY, 0, b"part 0")
   planted(feed._dir(ENTRY) / "COMMITTED", outside)
   assert feed.entries() == [] and feed.pending() == [ENTRY]
-  with pytest.raises(PartsLostError, match="expected a marker"):
-    feed.put(ENTRY, 1, b"part 1")
+  feed.put(ENTRY, 1, b"part 1")
+  with pytest.raises(PartsLostError, match="expected a regular file"):
+    feed.commit(ENTRY, b"a commit record")
   assert feed.entries() == [] and outside.read_bytes() == b"precious"
 
 
@@ -256,17 +258,20 @@ def test_a_commit_is_synced_parts_then_directory_then_marker(feed, monkeypatch):
   _committed(feed)
   name = feed._dir(ENTRY).name
   pid = os.getpid()
+  marker_tmp = synced[3][0]
+  assert marker_tmp.startswith(".COMMITTED.") and marker_tmp.endswith(".tmp")
   assert synced == [(f".part-00000.bin.{pid}.tmp", False), (f".part-00001.bin.{pid}.tmp", False),
-                    (name, False), ("COMMITTED", False), (name, True)]
+                    (name, False), (marker_tmp, False), (name, True)]
 
 
 def test_pending_entries_are_listed_and_removed_with_their_temporary_files(feed):
   done, failed = Entry(2, "delta", 1, 1), Entry(3, "delta", 2, 2)
   feed.put(done, 0, b"whole")
+  feed.commit(done, b"a commit record")
   feed.put(failed, 0, b"half")
   (feed._dir(failed) / ".part-00001.bin.12345.tmp").write_bytes(b"a dead writer's")
-  (feed.root / "v00000000000000000004-delta-from-00000000000000000003-of-00001").mkdir()
   begun = Entry(4, "delta", 3, 1)
+  (feed.root / begun.name).mkdir()
   assert feed.entries() == [done] and feed.pending() == [failed, begun]
   for entry in feed.pending():
     feed.remove(entry)

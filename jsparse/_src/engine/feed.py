@@ -318,8 +318,7 @@ class DirectoryFeed:
         raise PartsLostError(f"{self._dir(entry)}: not every part of version {entry.version} "
                              f"({entry.kind}) is there: not committed")
       os.fsync(where)  # the parts' names are durable before the marker is
-      _link_whole(where, _COMMITTED, record, self._dir(entry) / _COMMITTED)
-      os.fsync(where)
+      _link_whole(where, _COMMITTED, record, self._dir(entry) / _COMMITTED)  # then synced
     return self.read_commit(entry)
 
   def read_commit(self, entry: Entry) -> bytes:

@@ -64,5 +64,5 @@ class ThrottledFeed:
   def __getattr__(self, name: str):
     return getattr(self.feed, name)
 
-  def parts(self, entry: Entry) -> list[ThrottledPart]:
-    return [ThrottledPart(p, self.bucket) for p in self.feed.parts(entry)]
+  def parts(self, entry: Entry, *args, **kwargs) -> list[ThrottledPart]:
+    return [ThrottledPart(p, self.bucket) for p in self.feed.parts(entry, *args, **kwargs)]
