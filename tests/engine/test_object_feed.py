@@ -24,6 +24,8 @@ from moto.server import ThreadedMotoServer
 
 import jsparse
 from jsparse import engine
+from jsparse._src.engine.ledger import Ledger
+from jsparse._src.engine.records import commit_record, part_meta, read_commit
 from jsparse.engine import Entry, ObjectStoreFeed, PartsLostError, Publisher, Subscriber
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
@@ -221,35 +223,37 @@ def test_a_lagging_rollout_catches_up_by_an_anchor(s3, prefix, plan, states):
   assert lagging.stats.anchors == 1 and steady.stats.anchors == 0
   _exact(plan, states[7], steady, lagging)
   kept = {k.split("/")[1] for k in _keys(s3.store(prefix), "parts")}
-  assert kept == {engine.DirectoryFeed._name(e) for e in s3.feed(prefix).entries()}  # no grace
+  assert kept == {e.name for e in s3.feed(prefix).entries()}  # no grace
 
 
-def test_the_last_writer_commits_once_and_a_version_is_never_half_visible(s3, prefix):
-  """Four trainer processes (one client each) put their parts concurrently: the version is
-  committed once, by whoever saw the last part; no put fails for losing the race."""
-  entry = Entry(1, "anchor", 0, 4)
+def test_parts_of_many_writers_are_committed_once_and_never_half_visible(s3, prefix):
+  """Four trainer processes (one client each) put their parts concurrently; nothing is visible
+  until the commit; two writers committing the same record race harmlessly (one object)."""
+  entry = Entry(1, "anchor", 0, 4, generation=1, run="ab" * 16)
   data = [bytes([k]) * (1000 + k) for k in range(4)]
   writers = [s3.feed(prefix) for _ in range(4)]
   writers[0].put(entry, 2, data[2])
-  assert writers[1].entries() == [] and writers[1].pending() == [entry]
-  errors = []
-
-  def put(k):
-    try:
-      writers[k].put(entry, k, data[k])
-    except Exception as e:  # noqa: BLE001 -- reported below
-      errors.append(e)
-
-  threads = [threading.Thread(target=put, args=(k,)) for k in (0, 1, 2, 3)]
+  with pytest.raises(PartsLostError, match="part 0 .* is not there"):
+    writers[0].commit(entry, b"early")
+  threads = [threading.Thread(target=writers[k].put, args=(entry, k, data[k])) for k in range(4)]
   for t in threads:
     t.start()
   for t in threads:
     t.join()
-  assert not errors
+  assert writers[1].entries() == [] and writers[1].pending() == [entry]
+  record = commit_record(entry, [part_meta(d) for d in data], key=None)
+  held = []
+  threads = [threading.Thread(target=lambda w: held.append(w.commit(entry, record)), args=(w,))
+             for w in writers[:2]]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert held == [record, record]
   reader = s3.feed(prefix)
   assert reader.entries() == [entry] and reader.pending() == []
-  assert [bytes(p) for p in reader.parts(entry)] == data
-  assert _keys(s3.store(prefix), "commits") == [f"commits/{engine.DirectoryFeed._name(entry)}"]
+  assert [bytes(p) for p in reader.parts(entry, read_commit(record, entry, None).parts)] == data
+  assert _keys(s3.store(prefix), "commits") == [f"commits/{entry.name}"]
 
 
 def test_a_second_publisher_is_refused_and_never_mixed_in(s3, prefix, plan, states):
@@ -258,22 +262,14 @@ def test_a_second_publisher_is_refused_and_never_mixed_in(s3, prefix, plan, stat
   with pytest.raises(jsparse.ConfigError, match="belongs to run"):
     Publisher(jsparse.Sender(plan, states[0]), s3.feed(prefix))
 
-  # Below the publisher (a writer that ignores the run): the commit level refuses it too.
-  raw = f"{prefix}-raw"
-  entry = Entry(1, "delta", 0, 2)
-  a, b = s3.feed(raw), s3.feed(raw)
-  a.put(entry, 0, b"a0" * 100)
-  a.put(entry, 1, b"a1" * 100)
-  a.put(entry, 1, b"a1" * 100)  # a retried put of the same bytes: fine
-  with pytest.raises(jsparse.ConfigError, match="two different objects for part 0"):
-    b.put(entry, 0, b"b0" * 100)  # same run (none claimed), other bytes
-  other = s3.feed(raw)
-  other._run = "ab" * 16  # another run's writer: its parts never join the first's
-  other.put(entry, 0, b"c0" * 100)
-  assert other.entries() == [entry]  # still the first commit
-  with pytest.raises(jsparse.ConfigError, match="already committed with other parts"):
-    other.put(entry, 1, b"c1" * 100)  # the second commit of the version fails
-  assert [bytes(p) for p in s3.feed(raw).parts(entry)] == [b"a0" * 100, b"a1" * 100]
+  # Below the publisher: a second commit of one entry with another record is refused.
+  raw = s3.feed(f"{prefix}-raw")
+  entry = Entry(1, "delta", 0, 1, generation=1, run="ab" * 16)
+  raw.put(entry, 0, b"a0")
+  Ledger(raw, None).commit(entry, [part_meta(b"a0")])
+  raw.put(entry, 0, b"b0")
+  with pytest.raises(jsparse.ConfigError, match="committed before with other parts"):
+    Ledger(s3.feed(f"{prefix}-raw"), None).commit(entry, [part_meta(b"b0")])
 
 
 def test_a_removed_version_stays_readable_for_its_grace_period(s3, prefix):
@@ -283,6 +279,8 @@ def test_a_removed_version_stays_readable_for_its_grace_period(s3, prefix):
   trainer = s3.feed(prefix, grace_seconds=30)
   trainer.put(entry, 0, b"first")
   trainer.put(entry, 1, b"second")
+  trainer.commit(entry, b"a commit record")
+  metas = [part_meta(b"first"), part_meta(b"second")]
   reader, lock = s3.feed(prefix), threading.Lock()
   read_part, removed = reader._part, []
 
@@ -293,10 +291,10 @@ def test_a_removed_version_stays_readable_for_its_grace_period(s3, prefix):
     return read_part(*args)
 
   reader._part = slow_read
-  assert [bytes(p) for p in reader.parts(entry)] == [b"first", b"second"]
+  assert [bytes(p) for p in reader.parts(entry, metas)] == [b"first", b"second"]
   assert reader.entries() == [] and reader.pending() == []
   with pytest.raises(PartsLostError, match="no longer in the feed"):
-    s3.feed(prefix).parts(entry)  # a new reader does not start
+    s3.feed(prefix).read_commit(entry)  # a new reader does not start
   store = s3.store(prefix)
   assert len(_keys(store, "parts")) == 2 and len(_keys(store, "removed")) == 1
   assert trainer.collect() == 0
@@ -371,15 +369,20 @@ def _damage_then_recover(s3, prefix, plan, states, damage):
   return rollout
 
 
+def _read(feed, entry):
+  """The parts of ``entry``, read as a subscriber does: as its verified commit gives them."""
+  return feed.parts(entry, Ledger(feed, None).commit_of(entry).parts)
+
+
 def _part_key(store, entry, k=0) -> str:
-  return _keys(store, f"parts/{engine.DirectoryFeed._name(entry)}")[k]
+  return _keys(store, f"parts/{entry.name}")[k]
 
 
 def test_a_deleted_part_object_is_replaced_by_an_anchor(s3, prefix, plan, states):
   def delete(store, entry):
     obstore.delete(store, _part_key(store, entry))
     with pytest.raises(PartsLostError, match="part 0 is gone"):
-      s3.feed(prefix).parts(entry)
+      _read(s3.feed(prefix), entry)
   _damage_then_recover(s3, prefix, plan, states, delete)
 
 
@@ -390,28 +393,35 @@ def test_replaced_bytes_are_refused(s3, prefix, plan, states):
     data[len(data) // 2] ^= 0x10  # same size, other bytes: only the checksum tells
     obstore.put(store, key, bytes(data))
     with pytest.raises(PartsLostError, match="not those committed"):
-      s3.feed(prefix).parts(entry)
+      _read(s3.feed(prefix), entry)
   _damage_then_recover(s3, prefix, plan, states, replace)
 
 
 def test_a_forged_commit_object_is_refused(s3, prefix, plan, states):
-  """A commit naming a part whose bytes are not those it claims, and one that is not a
-  commit at all: both refused, and the engine goes on by an anchor."""
+  """A commit whose checksum of a part is not the part's: refused at the read, and the engine
+  goes on by an anchor."""
   def forge(store, entry):
-    name = engine.DirectoryFeed._name(entry)
-    commit = bytes(obstore.get(store, f"commits/{name}").bytes())
-    key = _part_key(store, entry)
-    real = key.rsplit("/", 1)[1]
-    size, digest = real[:-4].split("-")[-2:]
-    fake = real.replace(digest, "0" * 32)
-    obstore.put(store, f"parts/{name}/{fake}", bytes(obstore.get(store, key).bytes()))
-    obstore.put(store, f"commits/{name}", commit.replace(real.encode(), fake.encode()))
+    key = f"commits/{entry.name}"
+    commit = bytes(obstore.get(store, key).bytes())
+    real = read_commit(commit, entry, None).parts[0].digest
+    obstore.delete(store, key)
+    obstore.put(store, key, commit.replace(real.encode(), b"0" * 32))
     with pytest.raises(PartsLostError, match="not those committed"):
-      s3.feed(prefix).parts(entry)
-    obstore.put(store, f"commits/{name}", b'{"format": "something else"}')
-    with pytest.raises(PartsLostError, match="not a commit of version"):
-      s3.feed(prefix).parts(entry)
+      feed = s3.feed(prefix)
+      feed.parts(entry, Ledger(feed, None).commit_of(entry).parts)
   _damage_then_recover(s3, prefix, plan, states, forge)
+
+
+def test_a_commit_that_is_not_one_is_ignored_not_applied(s3, prefix, plan, states):
+  publisher = Publisher(jsparse.Sender(plan, states[0]), s3.feed(prefix), anchor_every=None)
+  rollout = _rollout(plan, states, s3.feed(prefix))
+  (entry,) = publisher.publish(states[1])
+  store = s3.store(prefix)
+  obstore.delete(store, f"commits/{entry.name}")
+  obstore.put(store, f"commits/{entry.name}", b'{"format": "something else"}')
+  with pytest.raises(PartsLostError, match="not a commit of this entry"):
+    Ledger(s3.feed(prefix), None).commit_of(entry)
+  assert rollout.poll() == [] and rollout.version == 0
 
 
 def test_a_throttled_endpoint_is_retried_with_backoff(s3, proxy, prefix, plan, states):
@@ -441,7 +451,7 @@ def test_an_endpoint_that_never_answers_fails_within_its_bound(s3, proxy, prefix
   proxy.stall = lambda method, path: method == "GET" and "/parts/" in path
   start = time.monotonic()
   with pytest.raises(PartsLostError, match="failed"):
-    bounded.parts(entry)
+    _read(bounded, entry)
   alone = time.monotonic() - start
   start = time.monotonic()
   assert rollout.poll() == []

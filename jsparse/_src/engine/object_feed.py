@@ -330,20 +330,23 @@ class ObjectStoreFeed:
     if expected is None or len(expected) != entry.parts:
       raise PartsLostError(f"version {entry.version} ({entry.kind}): its parts are read as "
                            "its commit gives them")
-    def read(k: int):
-      key = f"{_PARTS}/{entry.name}/part-{k:05d}.bin"
-      try:
-        return self._get(key, expected[k].size)
-      except FileNotFoundError as e:
-        raise PartsLostError(f"{self.url}/{key}: part {k} is gone") from e
     with self._lock:
       if self._pool is None:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency,
                                                            thread_name_prefix="jsparse-feed")
-    found = bounded_map(self._pool, read, range(entry.parts), self.max_concurrency)
+    found = bounded_map(self._pool, lambda k: self._part(entry, k, expected[k].size),
+                        range(entry.parts), self.max_concurrency)
     check_sizes(found, expected, entry)
     check_checksums(found, expected, entry)
     return found
+
+  def _part(self, entry: Entry, k: int, size: int):
+    """Part ``k`` of ``entry``, read only up to ``size`` bytes."""
+    key = f"{_PARTS}/{entry.name}/part-{k:05d}.bin"
+    try:
+      return self._get(key, size)
+    except FileNotFoundError as e:
+      raise PartsLostError(f"{self.url}/{key}: part {k} is gone") from e
 
   # -- retention -----------------------------------------------------------------------------
 

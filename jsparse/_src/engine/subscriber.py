@@ -246,8 +246,7 @@ class Subscriber:
     read after the commits, so a commit of a replaced publisher that is listed is always
     seen together with the generation that replaced it."""
     self._newest = -1  # unread, unless the listing below succeeds
-    if not self._run:
-      self._newest = 0
+    if not self._run:  # the feed's run is unknown (none claimed, or not read): nothing yet
       return None
     listed = self.ledger.commits(self._run, self.max_parts)
     self._generation = max(self._generation, self.ledger.newest_generation(self._run),
