@@ -1,7 +1,10 @@
 """A fuzz of the engine in the loop: a trainer publishing into a DirectoryFeed and rollouts
 following it while random faults strike: failed writes (a full disk) at any part of a delta or
 an anchor, parts lost, truncated or corrupted in place, anchor requests lost, rollouts and the
-trainer restarted from states saved earlier, rollouts that lag or join late with other bits.
+trainer restarted from states saved earlier, a restored twin of the trainer started while the
+old one still publishes (its publishes refused, or its commit landing just after it was
+replaced), forged, garbled, oversized and copied commits planted under real or future names,
+rollouts that lag or join late with other bits.
 
 Invariants: a rollout never holds wrong bits for the version it states (checked after every
 poll); the trainer keeps publishing through every fault; once the faults stop, every rollout
@@ -22,14 +25,15 @@ import numpy as np
 import pytest
 
 import jsparse
-from jsparse.engine import DirectoryFeed, Publisher, Subscriber
+from jsparse._src.engine.feed import commit_bytes_cap
+from jsparse.engine import DirectoryFeed, Entry, FencedError, Publisher, Subscriber
 from jsparse.testing import bitwise_mismatches
 from tests import strategies
 
 _CASES = int(os.environ.get("JSPARSE_FUZZ_EXAMPLES", "6"))
 _FAULT_STEPS, _CLEAN_STEPS, _BOUND = 14, 6, 3
 _FAULTS = ("put_fail", "lose_part", "truncate", "flip", "drop_request", "restart_rollout",
-           "restart_trainer", "none", "none")
+           "restart_trainer", "twin_trainer", "forge", "none", "none")
 
 
 class _FaultyFeed:
@@ -96,6 +100,24 @@ def fuzz_plan() -> jsparse.Plan:
 @pytest.fixture(scope="module")
 def plan():
   return fuzz_plan()
+
+
+def forge_commit(rng, feed, publisher) -> None:
+  """Plants a commit the publisher did not write under this run's and generation's names: the
+  next version's own name (squatted), or one far ahead; empty, garbled, oversized, or a real
+  commit copied from another entry."""
+  base = publisher.sender.version
+  version = base + (1 if rng.random() < 0.5 else int(rng.integers(2, 60)))
+  entry = Entry(version, ["delta", "anchor"][int(rng.integers(2))], base, 1,
+                publisher.generation, publisher.run)
+  real = [e for e in feed.entries() if e.run == publisher.run]
+  record = [b"", b"[" * 900, b" " * (commit_bytes_cap(1) + 1),
+            feed.read_commit(real[0]) if real else b"{}"][int(rng.integers(4))]
+  try:
+    feed.put(entry, 0, b"forged")
+    feed.commit(entry, record)
+  except Exception:  # noqa: BLE001 - a name the real publisher holds already: nothing planted
+    pass
 
 
 def _host_copy(state):
@@ -175,6 +197,22 @@ def run_case(plan, seed: int, feed, damage) -> dict:
     elif fault == "restart_trainer":
       saved = trainer_saves[int(rng.integers(len(trainer_saves)))]
       publisher = Publisher(jsparse.Sender.restore(plan, saved), trainer_feed, **options)
+    elif fault == "twin_trainer":  # restored again while the old one still runs
+      zombie = publisher
+      publisher = Publisher(jsparse.Sender.restore(plan, trainer_saves[-1]), trainer_feed,
+                            **options)
+      other = {k: v + 0.5 for k, v in params.items()}  # bits no rollout may ever hold
+      if rng.random() < 0.5:
+        with pytest.raises(FencedError):
+          zombie.publish(other)
+      else:  # it checked just before it was replaced: its commit lands
+        zombie._check_fenced = lambda: None
+        try:
+          zombie.publish(other)
+        except OSError:
+          pass
+    elif fault == "forge":
+      forge_commit(rng, feed, publisher)
     elif fault == "restart_rollout":
       r = rollouts[int(rng.integers(len(rollouts)))]
       if r["saves"]:
@@ -211,7 +249,7 @@ def run_case(plan, seed: int, feed, damage) -> dict:
       polls += 1
       if sub.version:  # the bits it serves are the version it states, exactly
         assert not bitwise_mismatches(sub.params, history[sub.version]), (seed, step)
-      r["lag"] = r["lag"] + 1 if sub.version < publisher.sender.version else 0
+      r["lag"] = r["lag"] + 1 if (sub.version or 0) < publisher.sender.version else 0
       r["longest"] = max(r["longest"], r["lag"])
       if rng.random() < 0.3 and sub.version:
         r["saves"].append(_host_copy(sub.receiver.state()))

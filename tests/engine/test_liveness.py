@@ -193,7 +193,7 @@ def test_a_rollout_restored_from_another_run_is_not_served_as_current(plan, tmp_
   new = Publisher(jsparse.Sender(plan, new_run[0]), feed, anchor_every=None)
   with caplog.at_level(logging.WARNING, "jsparse"):
     new.publish(new_run[1])
-    assert restored.poll() == [] and restored.version == 0  # not "version 8" of this run
+    assert restored.poll() == [] and restored.version is None  # no version of this run
   assert any("belongs to run" in r.message for r in caplog.records)
   new.publish(new_run[2])
   assert restored.poll() == [2]
@@ -208,7 +208,13 @@ def test_a_second_publisher_is_refused_and_a_restored_one_resumes(plan, states, 
   with pytest.raises(jsparse.ConfigError, match="belongs to run"):
     Publisher(jsparse.Sender(plan, states[0]), feed)
   resumed = Publisher(jsparse.Sender.restore(plan, first.sender.state()), feed)
-  assert [e.version for e in resumed.publish(states[2])] == [2]
+  assert resumed.generation == first.generation + 1
+  # The delta continues the run; the anchor serves rollouts that lag behind the restart (they
+  # follow only the newest generation).
+  assert [(e.version, e.kind) for e in resumed.publish(states[2])] == [(2, "delta"),
+                                                                       (2, "anchor")]
+  with pytest.raises(jsparse.errors.FencedError, match="replaced"):
+    first.publish(states[3])
 
 
 def test_a_send_whose_coding_fails_after_the_diff_resyncs_with_an_anchor(plan, states,

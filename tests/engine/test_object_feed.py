@@ -29,6 +29,7 @@ from jsparse._src.engine.records import commit_record, part_meta, read_commit
 from jsparse.engine import Entry, ObjectStoreFeed, PartsLostError, Publisher, Subscriber
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
+from tests.engine.test_fencing import KEY_PAIRS, check_signed_versions, check_twin_publishers
 
 _BUCKET = "jsparse-feeds"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection"}
@@ -511,3 +512,12 @@ def test_rollouts_over_s3_stay_exact_and_catch_up_once_faults_stop(s3, prefix, p
                      damage_objects(s3.store(prefix)))
   assert outcome["polls"] > 0
 
+
+
+@pytest.mark.parametrize("keys", KEY_PAIRS, ids=["hmac", "ed25519"])
+def test_signed_versions_on_s3_refuse_forged_and_unsigned_commits(s3, prefix, keys):
+  check_signed_versions(lambda: s3.feed(prefix), *keys)
+
+
+def test_a_trainer_restored_twice_on_s3_fences_its_zombie(s3, prefix):
+  check_twin_publishers(lambda: s3.feed(prefix))

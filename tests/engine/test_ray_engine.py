@@ -12,6 +12,7 @@ import ray
 
 from jsparse import engine
 from jsparse.examples.ray_engine import Rollout, Trainer
+from tests.engine.test_fencing import KEY_PAIRS, check_signed_versions, check_twin_publishers
 
 
 def _sync(trainer, rollouts):
@@ -182,3 +183,16 @@ def test_rollouts_over_ray_stay_exact_and_catch_up_once_faults_stop(local_ray, s
   outcome = run_case(fuzz_plan(), 500 + seed, feed, damage_reads)
   assert outcome["polls"] > 0
 
+
+
+@pytest.mark.parametrize("keys", KEY_PAIRS, ids=["hmac", "ed25519"])
+def test_signed_versions_over_ray_refuse_forged_and_unsigned_commits(local_ray, keys):
+  name = f"signed-{uuid.uuid4().hex[:8]}"
+  engine.RayFeed.create(name, timeout=30)
+  check_signed_versions(lambda: engine.RayFeed.connect(name, timeout=30), *keys)
+
+
+def test_a_trainer_restored_twice_over_ray_fences_its_zombie(local_ray):
+  name = f"twins-{uuid.uuid4().hex[:8]}"
+  engine.RayFeed.create(name, timeout=30)
+  check_twin_publishers(lambda: engine.RayFeed.connect(name, timeout=30))

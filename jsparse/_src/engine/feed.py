@@ -120,6 +120,7 @@ class Feed(Protocol):
 
   def put(self, entry: Entry, part: int, data: bytes) -> None: ...
   def commit(self, entry: Entry, record: bytes) -> bytes: ...
+  def remove_commit(self, entry: Entry) -> None: ...
   def entries(self) -> list[Entry]: ...
   def read_commit(self, entry: Entry) -> bytes: ...
   def pending(self) -> list[Entry]: ...
@@ -318,8 +319,27 @@ class DirectoryFeed:
         raise PartsLostError(f"{self._dir(entry)}: not every part of version {entry.version} "
                              f"({entry.kind}) is there: not committed")
       os.fsync(where)  # the parts' names are durable before the marker is
-      _link_whole(where, _COMMITTED, record, self._dir(entry) / _COMMITTED)  # then synced
-    return self.read_commit(entry)
+      if _link_whole(where, _COMMITTED, record, self._dir(entry) / _COMMITTED):  # then synced
+        return bytes(record)
+    try:
+      return self.read_commit(entry)
+    except PartsLostError:
+      return b""  # something that is not a commit is in the marker's place
+
+  def remove_commit(self, entry: Entry) -> None:
+    """Removes what is in the place of ``entry``'s commit (e.g. a forged one), not its parts:
+    a file or link is unlinked (never its target), a directory removed without following
+    links."""
+    with self._root_fd() as root, self._entry_fd(root, entry) as where:
+      try:
+        found = os.stat(_COMMITTED, dir_fd=where, follow_symlinks=False)
+      except FileNotFoundError:
+        return
+      if stat.S_ISDIR(found.st_mode):
+        shutil.rmtree(_COMMITTED, dir_fd=where, ignore_errors=True)
+      else:
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(_COMMITTED, dir_fd=where)
 
   def read_commit(self, entry: Entry) -> bytes:
     """The commit record of ``entry`` (at most :func:`commit_bytes_cap` bytes read; a longer

@@ -5,7 +5,9 @@ claims as opaque bytes; the rules are here, once.
 A commit or claim that does not parse, names another run or generation than its name says,
 is unsigned or wrongly signed where a key is given, or is larger than its kind, is *ignored*:
 not listed, never applied, never counted for retention or version numbers (logged once per
-name). A forged name costs a reader one bounded read, and nothing else.
+name). A forged name costs a reader one bounded read every ``recheck_seconds`` (it is read
+again then, in case the publisher replaced a forged commit squatting its name), and nothing
+else.
 
 >>> import tempfile
 >>> from jsparse._src.engine.feed import DirectoryFeed, Entry
@@ -26,6 +28,7 @@ name). A forged name costs a reader one bounded read, and nothing else.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Sequence
 
 from jsparse._src.engine.feed import MAX_VERSION, Entry, Feed, PartsLostError
@@ -49,9 +52,10 @@ class Ledger:
       and must verify with it (both sides); None: unsigned, nothing is required.
   """
 
-  def __init__(self, feed: Feed, key: SigningKey | None):
-    self.feed, self.key = feed, key
+  def __init__(self, feed: Feed, key: SigningKey | None, recheck_seconds: float = 10.0):
+    self.feed, self.key, self.recheck_seconds = feed, key, recheck_seconds
     self._commits: dict[Entry, Commit | None] = {}  # verified (None: refused), by entry
+    self._refused: dict[Entry, float] = {}  # when each refused commit was read
     self._claims: dict[tuple[str, int], bool] = {}  # (run, generation) -> verified
     self._warned: set = set()
 
@@ -74,6 +78,9 @@ class Ledger:
         self._ignore(entry.name, PartsLostError(f"it names {entry.parts} parts, more than "
                                                 f"{max_parts}"))
         continue
+      if self._commits.get(entry, 0) is None and \
+          time.monotonic() - self._refused[entry] >= self.recheck_seconds:
+        del self._commits[entry]
       if entry not in self._commits:
         try:
           raw = self.feed.read_commit(entry)
@@ -84,13 +91,14 @@ class Ledger:
         try:
           self._commits[entry] = read_commit(raw, entry, self.key)
         except PartsLostError as e:
-          self._commits[entry] = None
+          self._commits[entry], self._refused[entry] = None, time.monotonic()
           self._ignore(entry.name, e)
       if self._commits[entry] is not None:
         verified.append(self._commits[entry])
     if len(self._commits) > _CACHE_LIMIT:  # forget what is no longer listed
       still = set(listed)
       self._commits = {e: c for e, c in self._commits.items() if e in still}
+      self._refused = {e: t for e, t in self._refused.items() if e in still}
     return verified
 
   def commit_of(self, entry: Entry) -> Commit:
@@ -149,9 +157,19 @@ class Ledger:
         this entry's run and generation: never the case for one publisher).
     """
     record = commit_record(entry, parts, self.key)
-    held = self.feed.commit(entry, record)
-    if bytes(held) != record:
+    for _ in range(_CLAIM_ATTEMPTS):
+      held = bytes(self.feed.commit(entry, record))
+      if held == record:
+        self._commits[entry] = read_commit(record, entry, self.key)
+        return
+      try:
+        read_commit(held, entry, self.key)
+      except PartsLostError as e:  # a forged or garbled commit squats the name: not ours
+        self._ignore(f"{entry.name} (replaced by this publisher's commit)", e)
+        self.feed.remove_commit(entry)
+        continue
       raise ConfigError(f"version {entry.version} ({entry.kind}) of generation "
                         f"{entry.generation} was committed before with other parts: another "
                         "writer uses this publisher's generation")
-    self._commits[entry] = read_commit(record, entry, self.key)
+    raise PartsLostError(f"version {entry.version} ({entry.kind}): its name is squatted by "
+                         f"commits that do not verify, {_CLAIM_ATTEMPTS} times in a row")

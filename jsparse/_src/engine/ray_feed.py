@@ -45,6 +45,9 @@ class _Registry:
   def read_commit(self, entry: Entry) -> bytes | None:
     return self._commits.get(entry)
 
+  def remove_commit(self, entry: Entry) -> None:
+    self._commits.pop(entry, None)
+
   def pending(self) -> list[Entry]:
     return sorted((e for e in self._parts if e not in self._commits), key=_sort_key)
 
@@ -162,6 +165,10 @@ class RayFeed:
     if held is None:
       raise PartsLostError(f"version {entry.version} ({entry.kind}) is no longer in the feed")
     return held
+
+  def remove_commit(self, entry: Entry) -> None:
+    """Drops ``entry``'s commit (e.g. a forged one), not its parts."""
+    self._call("remove_commit", entry)
 
   def generations(self) -> list[int]:
     """The generations claimed in this feed, ascending."""
