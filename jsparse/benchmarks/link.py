@@ -28,9 +28,8 @@ from typing import Sequence
 import jax
 
 import jsparse
-from jsparse._src.engine.feed import DirectoryFeed, Entry
 from jsparse._src.engine.link import ThrottledFeed, TokenBucket
-from jsparse._src.engine.subscriber import Subscriber
+from jsparse.engine import DirectoryFeed, Publisher, Subscriber
 
 
 def _one(plan, states: Sequence, rate_gbit: float, dense: bool) -> dict:
@@ -40,15 +39,14 @@ def _one(plan, states: Sequence, rate_gbit: float, dense: bool) -> dict:
   the link and applies it."""
   with tempfile.TemporaryDirectory() as root:
     feed = DirectoryFeed(root)
-    sender = jsparse.Sender(plan, states[0])
+    publisher = Publisher(jsparse.Sender(plan, states[0]), feed, anchor_every=None)
+    sender = publisher.sender
     subscriber = Subscriber(jsparse.Receiver(plan, plan.cast(states[0])),
                             ThrottledFeed(feed, rate_gbit * 1e9))
     times, sizes = [], []
     for state in states[1:]:
       start = time.perf_counter()
-      base = sender.version
-      data = sender.send_part(state, full=dense)
-      feed.put(Entry(sender.version, "anchor" if dense else "delta", base, 1), 0, data)
+      publisher.publish(state, full=dense)
       before = subscriber.stats.bytes_read
       subscriber.poll()
       jax.block_until_ready(jax.tree.leaves(subscriber.params))

@@ -294,7 +294,7 @@ def follow(feed_dir: str, until: int, out: str, size: Size = Size(), timeout: fl
   plan = jtunix.tunix_plan(abstract_trainer_state(size), _abstract(rollout))
   follower = jtunix.RolloutSubscriber(rollout, plan, engine.DirectoryFeed(feed_dir))
   deadline = time.monotonic() + timeout
-  while follower.version < until:
+  while (follower.version or 0) < until:  # None: no version of the trainer's yet
     if time.monotonic() > deadline:
       raise TimeoutError(f"rollout job: at version {follower.version}, waited for {until}")
     follower.poll() or time.sleep(0.1)
