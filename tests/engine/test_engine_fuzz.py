@@ -111,9 +111,9 @@ def forge_commit(rng, feed, publisher) -> None:
   entry = Entry(version, ["delta", "anchor"][int(rng.integers(2))], base, 1,
                 publisher.generation, publisher.run)
   real = [e for e in feed.entries() if e.run == publisher.run]
-  record = [b"", b"[" * 900, b" " * (commit_bytes_cap(1) + 1),
-            feed.read_commit(real[0]) if real else b"{}"][int(rng.integers(4))]
   try:
+    record = [b"", b"[" * 900, b" " * (commit_bytes_cap(1) + 1),
+              feed.read_commit(real[0]) if real else b"{}"][int(rng.integers(4))]
     feed.put(entry, 0, b"forged")
     feed.commit(entry, record)
   except Exception:  # noqa: BLE001 - a name the real publisher holds already: nothing planted
