@@ -100,18 +100,24 @@ class Entry:
 
 
 class Feed(Protocol):
-  """Where a publisher puts parts and subscribers find them: nine small methods, so that
-  another store (an object store API, a message queue) is one small class.
+  """Where a publisher puts parts and subscribers find them: storage only (opaque records
+  and parts), so that another store (an object store API, a message queue) is one small class;
+  what to trust is decided above it (``ledger.py``).
 
-  :meth:`entries` lists the committed entries (every part put); :meth:`pending` those with
-  some parts put and not committed, e.g. left by a publish that failed half-way: the
-  publisher (process 0) removes (:meth:`remove`) pending entries of versions up to its own
-  that it did not just write, and all of them when it starts. :meth:`parts` returns the parts of a committed entry as objects with ``len``
-  and slicing (``bytes``-like), or raises :class:`PartsLostError`.
+  :meth:`put` stores a part; :meth:`commit` stores a version's commit record once every part
+  is in (create-only: the first record wins and is returned; :meth:`remove_commit` drops one
+  that does not verify). :meth:`entries` lists the committed entries' names,
+  :meth:`read_commit` returns a commit record (bounded by its part count); :meth:`pending`
+  lists entries with parts and no commit, e.g. left by a publish that failed half-way, which
+  the publisher (process 0) removes (:meth:`remove`). :meth:`parts` returns the parts of a
+  committed entry as objects with ``len`` and slicing (``bytes``-like), each checked against
+  the sizes (and checksums) its commit gives, or raises :class:`PartsLostError`.
 
   A feed belongs to one run: :meth:`claim_run` records the publisher's run id the first time
   (an atomic create-if-absent) and returns the id the feed holds, so that a second trainer is
-  refused and a rollout restored from another run's state is told (:meth:`run_id`).
+  refused and a rollout restored from another run's state is told (:meth:`run_id`). Each
+  publisher claims a generation (:meth:`claim_generation`, create-only; :meth:`generations`,
+  :meth:`read_generation`) so that a replaced one is fenced off.
 
   >>> import tempfile
   >>> isinstance(DirectoryFeed(tempfile.mkdtemp()).entries(), list)
