@@ -557,6 +557,17 @@ def check_checksums(parts: Sequence, expected: Sequence, entry: Entry) -> None:
                            "those committed (checksum)")
 
 
+def _write_synced(fd: int, data) -> None:
+  """Writes all of ``data`` to ``fd``, syncs it and closes it."""
+  try:
+    view = memoryview(data).cast("B")
+    while view:
+      view = view[os.write(fd, view):]
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def _link_whole(where: int, name: str, data: bytes, path: Path) -> bool:
   """Creates ``name`` in ``where`` holding ``data``, atomically and only if absent: written
   whole under a unique temporary name, synced, and linked into place (a link fails if the name
@@ -567,13 +578,7 @@ def _link_whole(where: int, name: str, data: bytes, path: Path) -> bool:
   except OSError as e:
     raise PartsLostError(f"{path}: cannot create a temporary file ({e.strerror})") from e
   try:
-    try:
-      view = memoryview(data).cast("B")
-      while view:
-        view = view[os.write(fd, view):]
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+    _write_synced(fd, data)
     try:
       os.link(tmp, name, src_dir_fd=where, dst_dir_fd=where, follow_symlinks=False)
     except FileExistsError:
@@ -677,13 +682,7 @@ def _write_atomically(where: int, name: str, data: bytes, path: Path) -> None:
     raise PartsLostError(f"{path.parent / tmp}: cannot create a temporary part ({e.strerror}; "
                          f"found {_found(tmp, where)})") from e
   try:
-    try:
-      view = memoryview(data).cast("B")
-      while view:
-        view = view[os.write(fd, view):]
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+    _write_synced(fd, data)
     try:
       os.replace(tmp, name, src_dir_fd=where, dst_dir_fd=where)  # replaces a link, not its target
     except OSError as e:
