@@ -211,9 +211,13 @@ def test_a_marker_that_is_not_a_regular_file_does_not_commit(feed, outside, plan
   planted(feed._dir(ENTRY) / "COMMITTED", outside)
   assert feed.entries() == [] and feed.pending() == [ENTRY]
   feed.put(ENTRY, 1, b"part 1")
+  assert feed.commit(ENTRY, b"a commit record") == b""  # not a commit in its place
   with pytest.raises(PartsLostError, match="expected a regular file"):
-    feed.commit(ENTRY, b"a commit record")
+    feed.read_commit(ENTRY)
   assert feed.entries() == [] and outside.read_bytes() == b"precious"
+  feed.remove_commit(ENTRY)  # the link or directory itself, never what it points to
+  assert feed.commit(ENTRY, b"a commit record") == b"a commit record"
+  assert feed.entries() == [ENTRY] and outside.read_bytes() == b"precious"
 
 
 def test_a_directory_in_a_parts_place_stops_its_put(feed):
