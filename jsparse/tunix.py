@@ -27,6 +27,7 @@ import jax
 
 from jsparse._src.core.plan import Plan, make_plan
 from jsparse._src.engine.feed import Feed
+from jsparse._src.engine.signing import SigningKey
 from jsparse._src.engine.subscriber import Subscriber
 from jsparse._src.errors import PlanMismatchError
 from jsparse._src.pytree import PyTree
@@ -97,7 +98,7 @@ def tunix_plan(trainer_state: PyTree, rollout_state: PyTree, *, capacity: float 
 
 def use_sparse_sync(rl_cluster: Any, *, feed: Feed | None = None, coding: str = "ranked",
                     capacity: float = 0.05, donate: bool = True,
-                    chunk_bytes: int = 64 << 20) -> SparseRollout:
+                    chunk_bytes: int = 64 << 20, key: SigningKey | None = None) -> SparseRollout:
   """Makes ``rl_cluster``'s weight syncs sparse; returns the :class:`SparseRollout` now in it.
 
   Call it after building the ``RLCluster`` (LoRA already applied) and before training. The
@@ -112,6 +113,9 @@ def use_sparse_sync(rl_cluster: Any, *, feed: Feed | None = None, coding: str = 
     donate: the rollout's params are updated in place (the receiver's buffers are handed to the
       rollout; do not generate during a sync, which Tunix does not).
     chunk_bytes: with ``feed``, the size of each streamed part.
+    key: with ``feed``, sign every version with this key and apply only versions it verifies
+      (:class:`~jsparse.engine.HmacKey`, or an :class:`~jsparse.engine.Ed25519Key` with its
+      private key; rollout jobs following the feed get the key or the public key).
 
   Raises:
     TunixVersionError: Tunix is missing or its API changed (names the tested version).
@@ -137,7 +141,8 @@ def use_sparse_sync(rl_cluster: Any, *, feed: Feed | None = None, coding: str = 
   receiver = Receiver(plan, structure.to_view(rollout_state), donate=donate)
   anchor_first = sender.digest != receiver.digest
   link = (InProcessLink(sender, receiver, anchor_first=anchor_first) if feed is None else
-          FeedLink(sender, receiver, feed, anchor_first=anchor_first, chunk_bytes=chunk_bytes))
+          FeedLink(sender, receiver, feed, anchor_first=anchor_first, chunk_bytes=chunk_bytes,
+                   key=key))
   rollout = SparseRollout(inner, link, filter_types, structure)
   rl_cluster._rollout = rollout  # pylint: disable=protected-access
   return rollout
@@ -152,6 +157,7 @@ class RolloutSubscriber:
     feed: the trainer's feed.
     version: the version the rollout's current params are (0: the trainer's initial params);
       when they are not, the first thing applied is an anchor.
+    key: apply only versions this key verifies (the trainer's key, or its public key).
 
   >>> import tempfile, jax, jsparse
   >>> from flax import nnx
@@ -174,17 +180,18 @@ class RolloutSubscriber:
   """
 
   def __init__(self, rollout: Any, plan: Plan, feed: Feed, *, version: int = 0,
-               donate: bool = True, filter_types: tuple | None = None):
+               donate: bool = True, filter_types: tuple | None = None,
+               key: SigningKey | None = None):
     from flax import nnx
     self.rollout = rollout
     self.filter_types = filter_types or sync_filter(rollout.model())
     state = nnx.state(rollout.model(), self.filter_types)
     self.structure = RolloutStructure.of(plan, state)
     self.subscriber = Subscriber(Receiver(plan, self.structure.to_view(state), version=version,
-                                          donate=donate), feed)
+                                          donate=donate), feed, key=key)
 
   @property
-  def version(self) -> int:
+  def version(self) -> int | None:
     return self.subscriber.version
 
   def poll(self) -> list[int]:

@@ -20,6 +20,7 @@ import jsparse
 from jsparse import engine
 from jsparse.testing import assert_trees_bitwise_equal
 from jsparse import tunix as jtunix
+from jsparse._src.engine import records
 from jsparse._src.tunix import compat
 from jsparse.examples import tunix_grpo
 
@@ -216,3 +217,38 @@ def test_a_rollout_serving_qwix_ptq_weights_holds_their_exact_codes_after_every_
   config = base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=8,
                                       kv_cache_size=64, data_type=jnp.bfloat16, eos_tokens=[2])
   assert cluster.rollout.generate(["w3 w4"], config).text
+
+
+class _LinearRollout:
+  """Stands for a Tunix rollout in a job of its own (a model and ``update_params``)."""
+
+  def __init__(self):
+    self.net = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+
+  def model(self):
+    return self.net
+
+  def update_params(self, params, filter_types):
+    nnx.update(self.net, params)
+
+
+def test_a_keyed_rollout_job_applies_only_the_trainers_signed_versions(tmp_path):
+  trainer_key = engine.Ed25519Key.generate()
+  trainer = nnx.state(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), nnx.Param)
+  plan = jtunix.tunix_plan(trainer, trainer)
+  feed = engine.DirectoryFeed(tmp_path / "feed")
+  publisher = engine.Publisher(jsparse.Sender(plan, trainer), feed, key=trainer_key)
+  follower = jtunix.RolloutSubscriber(
+      _LinearRollout(), plan, feed, key=engine.Ed25519Key(public_key=trainer_key.public_bytes()))
+  forger = engine.Publisher(jsparse.Sender(plan, trainer), engine.DirectoryFeed(tmp_path / "x"))
+  (forged,) = forger.publish(jax.tree.map(lambda x: x + 5, trainer), full=True)
+  publisher.publish(jax.tree.map(lambda x: x + 1, trainer))
+  mine = engine.Entry(forged.version + 1, "anchor", 0, forged.parts, publisher.generation,
+                      publisher.run)
+  parts = [bytes(p) for p in engine.DirectoryFeed(tmp_path / "x").parts(forged)]
+  for k, part in enumerate(parts):
+    feed.put(mine, k, part)
+  feed.commit(mine, records.commit_record(mine, [records.part_meta(p) for p in parts], None))
+  assert follower.poll() == [1] and follower.version == 1  # the unsigned anchor 2 is ignored
+  assert_trees_bitwise_equal(nnx.state(follower.rollout.net, nnx.Param),
+                             plan.cast(jax.tree.map(lambda x: x + 1, trainer)))

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from jsparse._src.engine.feed import Feed
 from jsparse._src.engine.publisher import Publisher
+from jsparse._src.engine.signing import SigningKey
 from jsparse._src.engine.subscriber import Subscriber
 from jsparse._src.errors import VersionError
 from jsparse._src.pytree import PyTree
@@ -54,13 +55,15 @@ class InProcessLink:
 class FeedLink:
   """Sender and receiver joined by an engine feed, as a trainer and a rollout job are: each sync
   publishes a version (streamed in parts of at most ``chunk_bytes``) and the subscriber applies
-  it. Other rollout jobs may subscribe to the same feed."""
+  it. Other rollout jobs may subscribe to the same feed. With ``key``, versions are signed
+  and only versions it verifies are applied."""
 
   def __init__(self, sender: Sender, receiver: Receiver, feed: Feed, *,
-               anchor_first: bool = False, chunk_bytes: int = 64 << 20):
+               anchor_first: bool = False, chunk_bytes: int = 64 << 20,
+               key: SigningKey | None = None):
     self.sender, self.receiver = sender, receiver
-    self.publisher = Publisher(sender, feed, chunk_bytes=chunk_bytes)
-    self.subscriber = Subscriber(receiver, feed)
+    self.publisher = Publisher(sender, feed, chunk_bytes=chunk_bytes, key=key)
+    self.subscriber = Subscriber(receiver, feed, key=key)
     self._anchor = anchor_first
 
   def sync(self, params: PyTree) -> Moved:
