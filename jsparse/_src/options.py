@@ -65,8 +65,10 @@ def typed_argument(name: str, value: Any, kind: type | tuple[type, ...], expecte
 def feed_argument(feed: Any) -> Any:
   """``feed`` if it has the methods of a feed (``jsparse.engine.Feed``), else
   :class:`ArgumentError`."""
-  missing = [m for m in ("put", "entries", "parts", "remove", "request_anchor",
-                         "take_anchor_request") if not callable(getattr(feed, m, None))]
+  missing = [m for m in ("put", "commit", "remove_commit", "entries", "read_commit", "pending",
+                         "parts", "remove", "request_anchor", "take_anchor_request", "run_id",
+                         "claim_run", "generations", "read_generation", "claim_generation")
+             if not callable(getattr(feed, m, None))]
   if missing:
     raise ArgumentError(f"jsparse: feed must be a jsparse.engine feed (DirectoryFeed, RayFeed, "
                         f"...), got {type(feed).__name__} (no {', '.join(missing)})")

@@ -217,7 +217,7 @@ class Publisher:
   def _clean(self, written: list[Entry]) -> None:
     """Removes up to ``cleanup_batch`` leftovers of failed publishes (never committed): those
     of earlier generations or other runs, and this publisher's up to its version."""
-    leftovers = [e for e in pending_entries(self.feed) if e not in written and (
+    leftovers = [e for e in self.feed.pending() if e not in written and (
         (e.run, e.generation) != (self.run, self.generation) or e.version <= self.sender.version)]
     for entry in leftovers[:self.cleanup_batch]:
       self.feed.remove(entry)
@@ -269,23 +269,14 @@ def _housekeeping(what: str, call):
     return None
 
 
-def pending_entries(feed: Feed) -> list[Entry]:
-  """The entries of ``feed`` with some parts but not committed (a feed that cannot tell: [])."""
-  pending = getattr(feed, "pending", None)
-  return list(pending()) if pending is not None else []
-
-
 def claim_run(sender: Sender, feed: Feed) -> None:
   """Makes ``sender``'s run the feed's (every process agrees on process 0's run id), or raises
   :class:`ConfigError` if the feed belongs to another run."""
-  claim = getattr(feed, "claim_run", None)
-  if claim is None:  # a feed that keeps no run identity
-    return
   sender.run_id = agreed_bytes(sender.run_id)
   error, owner = None, sender.run_id
   if jax.process_index() == 0:
     try:
-      owner = claim(sender.run_id)
+      owner = feed.claim_run(sender.run_id)
     except Exception as e:  # noqa: BLE001 - every process raises it below
       error, owner = e, b""
   owner = agreed_bytes(owner)

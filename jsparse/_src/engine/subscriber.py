@@ -194,10 +194,8 @@ class Subscriber:
 
   def _check_run(self) -> None:
     """Detaches a receiver that holds another run's state (see the class docstring)."""
-    run_of = getattr(self.feed, "run_id", None)
-    if run_of is None:
-      return
-    feed_run = agreed_bytes(self._on_process_0("reading the feed's run", run_of) or b"") or None
+    feed_run = agreed_bytes(self._on_process_0("reading the feed's run", self.feed.run_id)
+                            or b"") or None
     if feed_run is not None and feed_run.hex() != self._run:
       self._run, self._generation = feed_run.hex(), 0  # another run's generations
     if feed_run is None or self.receiver.run_id == feed_run:
