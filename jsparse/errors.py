@@ -22,14 +22,14 @@ from jsparse._src.chain_meta import ForeignPlanError
 from jsparse._src.engine.feed import PartsLostError
 from jsparse._src.errors import (ArgumentError, CheckpointError, ConfigError, FencedError,
                                  IntegrityError, JsparseError, OverflowedDeltaError, PayloadError, PlanError,
-                                 PlanMismatchError, VersionError)
+                                 PlanMismatchError, StalenessError, VersionError)
 from jsparse._src.tunix.compat import TunixVersionError
 
 __all__ = [
     "ArgumentError", "CheckpointError", "ConfigError", "FencedError", "ForeignPlanError",
     "IntegrityError",
     "JsparseError", "OverflowedDeltaError", "PartsLostError", "PayloadError", "PlanError",
-    "PlanMismatchError", "TunixVersionError", "VersionError",
+    "PlanMismatchError", "StalenessError", "TunixVersionError", "VersionError",
 ]
 
 for _name in __all__:  # tracebacks and reprs name the public module, not where each is defined

@@ -55,3 +55,9 @@ class CheckpointError(JsparseError, RuntimeError):
 class FencedError(JsparseError, RuntimeError):
   """A publisher was replaced in its feed (a restored trainer claimed a newer generation, or the
   feed now belongs to another run): it must stop publishing; nothing of it is applied after."""
+
+
+class StalenessError(JsparseError, TimeoutError):
+  """A version was not reached in time: a rollout waiting for a version (``wait_for``), or a
+  publisher waiting for its rollouts to be within ``max_lag`` versions (the message names who
+  lags, and why, as they reported it)."""

@@ -67,7 +67,8 @@ def feed_argument(feed: Any) -> Any:
   :class:`ArgumentError`."""
   missing = [m for m in ("put", "commit", "remove_commit", "entries", "read_commit", "pending",
                          "parts", "remove", "request_anchor", "take_anchor_request", "run_id",
-                         "claim_run", "generations", "read_generation", "claim_generation")
+                         "claim_run", "generations", "read_generation", "claim_generation",
+                         "put_status", "statuses", "remove_status")
              if not callable(getattr(feed, m, None))]
   if missing:
     raise ArgumentError(f"jsparse: feed must be a jsparse.engine feed (DirectoryFeed, RayFeed, "

@@ -34,7 +34,8 @@ def _rollout(plan, states, layout="dp2xtp4"):
 
 def test_rollouts_lagging_by_any_amount_catch_up_in_order(run):
   plan, states, feed = run
-  publisher = Publisher(jsparse.Sender(plan, states[0]), feed, anchor_every=3, keep=3)
+  publisher = Publisher(jsparse.Sender(plan, states[0]), feed, anchor_every=3, keep=3,
+                        retain_versions=0)  # a fixed retention: only the last 3 deltas
   every, second, far = (Subscriber(_rollout(plan, states, layout), feed)
                         for layout in ("dp2xtp4", "fsdp4", "single"))
   applied = {id(s): [] for s in (every, second, far)}

@@ -69,6 +69,17 @@ def agreed_bytes(data: bytes) -> bytes:
   return bytes(row[1:1 + int(row[0])].astype(np.uint8))
 
 
+def agreed_blob(data: bytes) -> bytes:
+  """Process 0's ``data`` (any length), on every process (two small broadcasts)."""
+  if jax.process_count() == 1:
+    return bytes(data)
+  size = agreed_int(len(data))
+  row = np.zeros(size, np.uint8)
+  if jax.process_index() == 0:
+    row[:] = np.frombuffer(data, np.uint8)
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(row)).astype(np.uint8))
+
+
 def agreed_int(value: int) -> int:
   """Process 0's ``value`` (an int64), on every process."""
   if jax.process_count() == 1:

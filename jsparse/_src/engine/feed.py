@@ -38,6 +38,8 @@ from jsparse._src.options import typed_argument
 KINDS = ("delta", "anchor")
 MAX_VERSION = 1 << 62  # versions, bases and generations are below it (they travel as int64)
 MAX_PARTS = 99_999  # parts of one version
+STATUS_BYTES = 4096  # a rollout's status record is at most this long
+ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _COMMIT_FIXED, _COMMIT_PER_PART = 1024, 64
 
 
@@ -117,7 +119,9 @@ class Feed(Protocol):
   (an atomic create-if-absent) and returns the id the feed holds, so that a second trainer is
   refused and a rollout restored from another run's state is told (:meth:`run_id`). Each
   publisher claims a generation (:meth:`claim_generation`, create-only; :meth:`generations`,
-  :meth:`read_generation`) so that a replaced one is fenced off.
+  :meth:`read_generation`) so that a replaced one is fenced off. Each rollout reports what it
+  holds in a status record of its own, replaced at every report (:meth:`put_status`,
+  :meth:`statuses`, :meth:`remove_status`).
 
   >>> import tempfile
   >>> isinstance(DirectoryFeed(tempfile.mkdtemp()).entries(), list)
@@ -140,6 +144,9 @@ class Feed(Protocol):
   def generations(self) -> list[int]: ...
   def read_generation(self, generation: int) -> bytes: ...
   def claim_generation(self, generation: int, record: bytes) -> bool: ...
+  def put_status(self, rollout: str, record: bytes) -> None: ...
+  def statuses(self) -> dict[str, bytes]: ...
+  def remove_status(self, rollout: str) -> None: ...
 
 
 _NO_RUN = "norun"
@@ -152,6 +159,7 @@ _COMMITTED = "COMMITTED"
 _ANCHOR_REQUESTED = "ANCHOR_REQUESTED"
 _RUN = "RUN"
 _RUN_BYTES = 16
+_STATUS = "status"
 _GENERATION_BYTES = 512
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -476,6 +484,61 @@ class DirectoryFeed:
       _link_whole(root, _RUN, run_id.hex().encode("ascii") + b"\n", self.root / _RUN)
       return _run_of(_read_small(root, _RUN, self.root / _RUN, 2 * _RUN_BYTES + 1),
                      self.root / _RUN)
+
+  @contextlib.contextmanager
+  def _status_fd(self, root: int, create: bool) -> Iterator[int | None]:
+    """The status directory, open (never through a link); None if absent and not created."""
+    if create:
+      with contextlib.suppress(FileExistsError):
+        os.mkdir(_STATUS, 0o755, dir_fd=root)
+    try:
+      fd = os.open(_STATUS, _DIR, dir_fd=root)
+    except FileNotFoundError:
+      yield None
+      return
+    except OSError as e:
+      raise PartsLostError(f"{self.root / _STATUS}: expected the status directory, found "
+                           f"{_found(_STATUS, root)}") from e
+    try:
+      yield fd
+    finally:
+      os.close(fd)
+
+  def put_status(self, rollout: str, record: bytes) -> None:
+    """Replaces rollout ``rollout``'s status with ``record`` (atomically: a temporary file
+    renamed over it; a link in its place is replaced, never followed)."""
+    if not ROLLOUT_ID.match(rollout) or len(record) > STATUS_BYTES:
+      raise ConfigError(f"a status of rollout {rollout!r:.80}: bad id, or over {STATUS_BYTES} B")
+    with self._root_fd() as root, self._status_fd(root, create=True) as where:
+      _write_atomically(where, rollout, record, self.root / _STATUS / rollout)
+
+  def statuses(self) -> dict[str, bytes]:
+    """Every rollout's status record, by rollout id (each read up to :data:`STATUS_BYTES`;
+    anything else in the status directory is skipped)."""
+    found = {}
+    with self._root_fd() as root, self._status_fd(root, create=False) as where:
+      if where is None:
+        return found
+      with os.scandir(where) as listing:
+        names = [item.name for item in listing
+                 if ROLLOUT_ID.match(item.name) and item.is_file(follow_symlinks=False)]
+      for name in names:
+        try:
+          data = _read_small(where, name, self.root / _STATUS / name, STATUS_BYTES)
+        except PartsLostError:
+          continue  # replaced by something else since the listing
+        if data is not None and len(data) <= STATUS_BYTES:
+          found[name] = data
+    return found
+
+  def remove_status(self, rollout: str) -> None:
+    """Deletes rollout ``rollout``'s status (a link itself, never its target)."""
+    if not ROLLOUT_ID.match(rollout):
+      return
+    with self._root_fd() as root, self._status_fd(root, create=False) as where:
+      if where is not None:
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(rollout, dir_fd=where)
 
   def generations(self) -> list[int]:
     """The generations claimed in this feed (their numbers, unchecked), ascending."""

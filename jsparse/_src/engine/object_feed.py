@@ -16,6 +16,7 @@ generation and run)::
   RUN                               the run id (create-only, as DirectoryFeed's)
   ANCHOR_REQUESTED                  a rollout asked for an anchor (take = delete)
   generations/<n>                   a publisher's claim of generation n (create-only)
+  status/<rollout>                  a rollout's status, overwritten at each report
   commits/<entry>                   the commit object (JSON): the version is visible
   parts/<entry>/part-<k>.bin        part k, put by whichever trainer process made it
   removed/<entry>@<unix ms>         a tombstone: its parts go after the grace period
@@ -54,7 +55,8 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, NotSupportedError
 from obstore.exceptions import BaseError as StoreError
 
-from jsparse._src.engine.feed import (_GENERATION_BYTES, _RUN_BYTES, MAX_VERSION, Entry,
+from jsparse._src.engine.feed import (_GENERATION_BYTES, _RUN_BYTES, MAX_VERSION, ROLLOUT_ID,
+                                      STATUS_BYTES, Entry,
                                       PartsLostError, _run_of, _sort_key, check_checksums,
                                       check_part_number, check_run_id, check_sizes,
                                       commit_bytes_cap)
@@ -64,6 +66,7 @@ from jsparse._src.threads import bounded_map
 
 _RUN, _ANCHOR_REQUESTED = "RUN", "ANCHOR_REQUESTED"
 _COMMITS, _PARTS, _REMOVED, _GENERATIONS = "commits", "parts", "removed", "generations"
+_STATUS = "status"
 _PART = re.compile(r"^part-(\d{5})\.bin$")
 _GENERATION = re.compile(r"^(\d{20})$")
 _TOMBSTONE = re.compile(r"^(.+)@(\d{1,15})$")
@@ -460,6 +463,30 @@ class ObjectStoreFeed:
       return True
     except AlreadyExistsError:
       return False
+
+  def put_status(self, rollout: str, record: bytes) -> None:
+    """Replaces rollout ``rollout``'s status object with ``record``."""
+    if not ROLLOUT_ID.match(rollout) or len(record) > STATUS_BYTES:
+      raise ConfigError(f"a status of rollout {rollout!r:.80}: bad id, or over {STATUS_BYTES} B")
+    self._call(f"writing {_STATUS}/{rollout}", obstore.put, f"{_STATUS}/{rollout}",
+               bytes(record))
+
+  def statuses(self) -> dict[str, bytes]:
+    """Every rollout's status record, by rollout id (each read up to :data:`STATUS_BYTES`;
+    one larger, or of another name, is skipped)."""
+    names = [n for k in self._list(_STATUS) if ROLLOUT_ID.match(n := k.rsplit("/", 1)[-1])]
+    found = {}
+    for name in names:
+      try:
+        found[name] = bytes(self._get(f"{_STATUS}/{name}", STATUS_BYTES))
+      except (FileNotFoundError, PartsLostError):
+        continue  # removed since the listing, or too large
+    return found
+
+  def remove_status(self, rollout: str) -> None:
+    """Deletes rollout ``rollout``'s status object."""
+    if ROLLOUT_ID.match(rollout):
+      self._delete([f"{_STATUS}/{rollout}"])
 
   def request_anchor(self) -> None:
     """Asks the publisher for an anchor at its next version (a subscriber lost its state)."""

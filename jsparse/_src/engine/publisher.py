@@ -30,17 +30,19 @@ longer owns the feed) is refused at its next publish with :class:`~jsparse.error
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 
-from jsparse._src.engine.agreement import (agreed_bytes, agreed_flag, agreed_int,
+from jsparse._src.engine.agreement import (agreed_blob, agreed_bytes, agreed_flag, agreed_int,
                                            gathered_parts, raise_if_any_failed)
+from jsparse._src.engine.fleet import RolloutInfo, decode_rows, encode_rows, fleet_view
 from jsparse._src.engine.feed import Entry, Feed, PartsLostError
 from jsparse._src.engine.ledger import Ledger
 from jsparse._src.engine.records import part_meta
 from jsparse._src.engine.signing import SigningKey, key_argument
-from jsparse._src.errors import ConfigError, FencedError
-from jsparse._src.options import feed_argument, int_option, typed_argument
+from jsparse._src.errors import ConfigError, FencedError, StalenessError
+from jsparse._src.options import feed_argument, float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync.sender import Sender
 from jsparse._src.sync.stream import PartStream
@@ -63,6 +65,18 @@ class Publisher:
     cleanup_batch: at most this many leftovers of failed publishes are removed per publish (and
       when the publisher starts), so that a feed full of them does not hold up publishing;
       :attr:`leftovers` says how many remain.
+    max_lag: bounded staleness: before publishing version ``v``, wait until every live rollout
+      (:meth:`fleet`) holds ``v - 1 - max_lag`` or later (0: a synchronous loop, every rollout
+      holds the previous version; None: never wait). A rollout that reports itself stalled
+      is not waited for: this publish brings it the anchor it needs.
+    lag_timeout, on_lag: how long to wait; then ``"raise"`` (a
+      :class:`~jsparse.errors.StalenessError` naming who lags and why) or ``"log"`` (a
+      warning, and the version is published).
+    gone_seconds: a rollout not seen this long is reported gone and holds nothing back.
+    retain_versions, retain_bytes: retention by need: beyond the last ``keep`` versions, the
+      deltas back to the oldest version a live rollout holds are kept too (so a slow rollout
+      catches up by deltas, not an anchor), at most this many of them and this many bytes
+      (None: no byte cap). Statuses only ever keep more: what ``keep`` keeps stays.
 
   Raises:
     ConfigError: a bad option, or the feed belongs to another run (another trainer publishes
@@ -91,13 +105,24 @@ class Publisher:
 
   def __init__(self, sender: Sender, feed: Feed, *, anchor_every: int | None = 8,
                keep: int = 8, chunk_bytes: int = 64 << 20, key: SigningKey | None = None,
-               cleanup_batch: int = 16):
+               cleanup_batch: int = 16, max_lag: int | None = None, lag_timeout: float = 60.0,
+               on_lag: str = "raise", gone_seconds: float = 60.0, retain_versions: int = 64,
+               retain_bytes: int | None = None):
     self.sender = typed_argument("sender", sender, Sender, "a jsparse.Sender")
     self.feed = feed_argument(feed)
     self.chunk_bytes = int_option("chunk_bytes", chunk_bytes, minimum=1)
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.keep = int_option("keep", keep, minimum=0)
     self.cleanup_batch = int_option("cleanup_batch", cleanup_batch, minimum=1)
+    self.max_lag = int_option("max_lag", max_lag, minimum=0, optional=True)
+    self.lag_timeout = float_option("lag_timeout", lag_timeout)
+    if on_lag not in ("raise", "log"):
+      raise ConfigError(f"on_lag is 'raise' or 'log', got {on_lag!r}")
+    self.on_lag = on_lag
+    self.gone_seconds = float_option("gone_seconds", gone_seconds)
+    self.retain_versions = int_option("retain_versions", retain_versions, minimum=0)
+    self.retain_bytes = int_option("retain_bytes", retain_bytes, minimum=0, optional=True)
+    self._published: dict[int, tuple[str, float]] = {}  # version -> (digest hex, time)
     self.key = key_argument("key", key)
     if self.key is not None and not self.key.can_sign:
       raise ConfigError("Publisher: its key holds only a public key; give it the private key "
@@ -166,6 +191,7 @@ class Publisher:
       anchor request, retention) are logged, not raised.
     """
     self._check_fenced()
+    self._wait_for_fleet(self.sender.version + 1)
     if self._resync:
       version = max(agreed_int(self._latest() if jax.process_index() == 0 else 0),
                     self.sender.version) + 1
@@ -184,9 +210,64 @@ class Publisher:
       written.append(self._put_stream(self.sender.anchor_stream(chunk_bytes=self.chunk_bytes)))
       self._since_anchor = 0
     self._anchor_owed = False  # an anchor of this version is committed
+    self._published[self.sender.version] = (self.sender.digest.hex(), time.time())
+    while len(self._published) > _PUBLISHED_KEPT:
+      del self._published[min(self._published)]
     if jax.process_index() == 0:
       _housekeeping("retention", lambda: self._retain(written))
     return written
+
+  def fleet(self) -> list[RolloutInfo]:
+    """Every rollout that reported into the feed (its status, see
+    :class:`~jsparse.engine.Subscriber`): the version it holds, whether its digest is this
+    trainer's digest of that version, how far and how long it lags, when it was last seen,
+    why it stalls or refused a version, and whether it is gone. Read on process 0, the same
+    on every process.
+
+    >>> import tempfile, jax.numpy as jnp, jsparse
+    >>> from jsparse._src.engine.feed import DirectoryFeed
+    >>> from jsparse._src.engine.subscriber import Subscriber
+    >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)
+    >>> feed = DirectoryFeed(tempfile.mkdtemp())
+    >>> publisher = Publisher(jsparse.Sender(plan, {'w': jnp.zeros(8)}), feed)
+    >>> rollout = Subscriber(jsparse.Receiver(plan, plan.cast({'w': jnp.zeros(8)})), feed,
+    ...                      rollout_id="rollout-a")
+    >>> _ = publisher.publish({'w': jnp.ones(8)}); _ = rollout.poll()
+    >>> _ = publisher.publish({'w': jnp.full(8, 2.0)})
+    >>> [(r.rollout, r.version, r.digest_ok, r.lag_versions) for r in publisher.fleet()]
+    [('rollout-a', 1, True, 1)]
+    """
+    return decode_rows(agreed_blob(_on_process_0(lambda: encode_rows(self._fleet_rows()))
+                                   or b"[]"))
+
+  def _fleet_rows(self) -> list[RolloutInfo]:
+    return fleet_view(self.feed.statuses(), run=self.run, key=self.key,
+                      published=self._published, latest=self.sender.version, now=time.time(),
+                      gone_seconds=self.gone_seconds)
+
+  def _wait_for_fleet(self, version: int) -> None:
+    """Waits until every live rollout holds ``version - 1 - max_lag`` or later (see the class
+    docstring); stalled ones are owed an anchor instead."""
+    if self.max_lag is None:
+      return
+    floor, deadline = version - 1 - self.max_lag, time.monotonic() + self.lag_timeout
+    while True:
+      behind = [r for r in self.fleet() if r.live and (r.version is None or r.version < floor)]
+      if any(r.stalled for r in behind):
+        self._anchor_owed = True  # they wait for an anchor: this publish brings it
+      behind = [r for r in behind if not r.stalled]
+      if not behind:
+        return
+      if time.monotonic() > deadline:
+        message = (f"{len(behind)} rollout(s) hold a version older than {floor} (max_lag "
+                   f"{self.max_lag} before version {version}) after {self.lag_timeout:g} s: " +
+                   "; ".join(f"{r.rollout} at {r.version}, seen {r.last_seen:.1f} s ago" +
+                             (f", {r.refused}" if r.refused else "") for r in behind[:8]))
+        if self.on_lag == "raise":
+          raise StalenessError(message)
+        logging.getLogger("jsparse").warning("jsparse: %s; publishing anyway", message)
+        return
+      time.sleep(0.02)
 
   def _put_stream(self, stream: PartStream) -> Entry:
     """Puts each part of a streamed version as it is produced, under the entry it really is;
@@ -233,18 +314,43 @@ class Publisher:
     failed publishes left (run by process 0). Only commits that verify count, and only this
     publisher's own anchors: no forged name can make it delete a real entry."""
     self._clean(written)
-    commits = [c.entry for c in self.ledger.commits(self.run)]
-    anchors = [e.version for e in commits if e.kind == "anchor" and e.generation ==
+    commits = self.ledger.commits(self.run)
+    entries = [c.entry for c in commits]
+    anchors = [e.version for e in entries if e.kind == "anchor" and e.generation ==
                self.generation and e.version <= self.sender.version]
     if not anchors:
       return
     newest, latest = max(anchors), self.sender.version
-    for entry in commits:
+    needed = self._needed(commits, latest) if self.retain_versions else set()
+    for entry in entries:
+      if entry in needed:
+        continue
       if entry.version < newest and (entry.kind == "anchor" or entry.generation !=
                                      self.generation or entry.version <= latest - self.keep):
         self.feed.remove(entry)
       elif entry.generation < self.generation and entry.version >= newest:
         self.feed.remove(entry)  # a replaced publisher's: no rollout follows it any more
+
+  def _needed(self, commits: list, latest: int) -> set[Entry]:
+    """The deltas of this generation that bring the oldest live rollout to ``latest``, newest
+    first, within ``retain_versions`` and ``retain_bytes`` (retention by need)."""
+    held = [r.version for r in self._fleet_rows() if r.live and r.version is not None]
+    if not held:
+      return set()
+    oldest = min(held)
+    deltas = sorted((c for c in commits if c.entry.kind == "delta" and c.entry.generation ==
+                     self.generation and oldest < c.entry.version <= latest - self.keep),
+                    key=lambda c: -c.entry.version)
+    kept, size = set(), 0
+    for commit in deltas[:self.retain_versions]:
+      size += sum(p.size for p in commit.parts)
+      if self.retain_bytes is not None and size > self.retain_bytes:
+        break
+      kept.add(commit.entry)
+    return kept
+
+
+_PUBLISHED_KEPT = 4096  # versions whose digests the fleet view compares against
 
 
 def _on_process_0(call):

@@ -16,8 +16,10 @@ import numpy as np
 import ray
 from ray import exceptions as ray_errors
 
-from jsparse._src.engine.feed import (Entry, PartsLostError, _sort_key, check_checksums,
-                                      check_part_number, check_run_id, check_sizes)
+from jsparse._src.engine.feed import (ROLLOUT_ID, STATUS_BYTES, Entry, PartsLostError,
+                                      _sort_key, check_checksums, check_part_number,
+                                      check_run_id, check_sizes)
+from jsparse._src.errors import ConfigError
 
 
 @ray.remote(num_cpus=0)
@@ -28,6 +30,7 @@ class _Registry:
     self._parts: dict[Entry, dict[int, Any]] = {}
     self._commits: dict[Entry, bytes] = {}
     self._generations: dict[int, bytes] = {}
+    self._statuses: dict[str, bytes] = {}
     self._anchor_requested = False
     self._run: bytes | None = None
 
@@ -80,6 +83,15 @@ class _Registry:
     if self._run is None:
       self._run = bytes(run_id)
     return self._run
+
+  def put_status(self, rollout: str, record: bytes) -> None:
+    self._statuses[rollout] = bytes(record)
+
+  def statuses(self) -> dict[str, bytes]:
+    return dict(self._statuses)
+
+  def remove_status(self, rollout: str) -> None:
+    self._statuses.pop(rollout, None)
 
   def request_anchor(self) -> None:
     self._anchor_requested = True
@@ -228,6 +240,21 @@ class RayFeed:
     returns the feed's run."""
     check_run_id(run_id)
     return self._call("claim_run", bytes(run_id))
+
+  def put_status(self, rollout: str, record: bytes) -> None:
+    """Replaces rollout ``rollout``'s status with ``record``."""
+    if not ROLLOUT_ID.match(rollout) or len(record) > STATUS_BYTES:
+      raise ConfigError(f"a status of rollout {rollout!r:.80}: bad id, or over {STATUS_BYTES} B")
+    self._call("put_status", rollout, bytes(record))
+
+  def statuses(self) -> dict[str, bytes]:
+    """Every rollout's status record, by rollout id."""
+    return {k: v for k, v in self._call("statuses").items()
+            if ROLLOUT_ID.match(k) and len(v) <= STATUS_BYTES}
+
+  def remove_status(self, rollout: str) -> None:
+    """Deletes rollout ``rollout``'s status."""
+    self._call("remove_status", rollout)
 
   def request_anchor(self) -> None:
     self._call("request_anchor")

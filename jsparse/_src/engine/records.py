@@ -22,8 +22,10 @@ import hashlib
 import json
 from typing import Sequence
 
-from jsparse._src.engine.feed import MAX_VERSION, Entry, PartsLostError
+from jsparse._src.engine.feed import (MAX_VERSION, ROLLOUT_ID, STATUS_BYTES, Entry,
+                                      PartsLostError)
 from jsparse._src.engine.signing import SigningKey
+from jsparse._src.errors import ConfigError
 
 COMMIT_FORMAT = "jsparse-commit/1"
 GENERATION_FORMAT = "jsparse-generation/1"
@@ -180,3 +182,80 @@ def read_generation(raw, run: str, generation: int, key: SigningKey | None) -> N
   except ValueError as e:
     raise PartsLostError(f"generation {generation}: not a claim of this run ({e})") from None
 
+
+
+STATUS_FORMAT = "jsparse-status/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+  """What a rollout reported of itself (see :func:`status_record`).
+
+  Attributes:
+    rollout: the rollout's id.
+    version: the version it holds (None: no version of the run).
+    generation: the newest generation of the run it knows.
+    digest: the digest of the state it holds (hex), verified against the sender's.
+    time: when it wrote this (its clock, seconds since the epoch).
+    stalled: why it cannot follow the feed now, or None.
+    refused: why it did not apply the last version it tried, or None (since it applied one).
+    applied: how many versions it applied so far.
+  """
+
+  rollout: str
+  version: int | None
+  generation: int
+  digest: str
+  time: float
+  stalled: str | None
+  refused: str | None
+  applied: int
+
+
+def check_rollout_id(rollout: str) -> str:
+  """``rollout`` if it is a valid rollout id (1-64 of ``A-Za-z0-9._-``, not starting with a
+  dot or dash), else ConfigError."""
+  if not isinstance(rollout, str) or not ROLLOUT_ID.match(rollout):
+    raise ConfigError(f"a rollout id is 1 to 64 letters, digits, '.', '_' or '-' (not first), "
+                      f"got {rollout!r:.80}")
+  return rollout
+
+
+def status_record(run: str, status: Status, key: SigningKey | None) -> bytes:
+  """A rollout's status in run ``run``, signed with ``key`` where the key can sign."""
+  body = {"format": STATUS_FORMAT, "run": run, **dataclasses.asdict(status)}
+  for field in ("stalled", "refused"):
+    if body[field] is not None:
+      body[field] = body[field][:1000]
+  return _envelope(STATUS_FORMAT, body, key if key is not None and key.can_sign else None)
+
+
+def read_status(raw, run: str, rollout: str, key: SigningKey | None) -> Status:
+  """The status in ``raw`` of rollout ``rollout`` in run ``run``, checked (its size, its form,
+  and, given a ``key`` that can sign, its signature).
+
+  Raises:
+    PartsLostError: it is not such a status (the message says why).
+  """
+  try:
+    signing = key if key is not None and key.can_sign else None
+    body, _ = _open_envelope(raw, STATUS_BYTES, STATUS_FORMAT, signing)
+    if body.get("format") != STATUS_FORMAT or body.get("run") != run \
+        or body.get("rollout") != rollout:
+      raise ValueError("it is of another run or rollout")
+    version = body.get("version")
+    if version is not None:
+      version = _int(body, "version", MAX_VERSION)
+    when, digest = body.get("time"), body.get("digest")
+    stalled, refused = body.get("stalled"), body.get("refused")
+    if type(when) not in (int, float) or not 0 <= when < 1e11:
+      raise ValueError(f"its time is {str(when)[:40]}")
+    if not all(x is None or isinstance(x, str) for x in (stalled, refused)):
+      raise ValueError("its stall or refusal reason is not text")
+    if not (isinstance(digest, str) and len(digest) <= 64
+            and all(c in "0123456789abcdef" for c in digest)):
+      raise ValueError("its digest is not hex")
+    return Status(rollout, version, _int(body, "generation", MAX_VERSION), digest, float(when),
+                  stalled, refused, _int(body, "applied", MAX_VERSION))
+  except ValueError as e:
+    raise PartsLostError(f"status of rollout {rollout}: not a status of this run ({e})") from None

@@ -24,15 +24,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 
 import jax
 
 from jsparse._src.engine.agreement import agreed_bytes, agreed_entry, agreed_int
 from jsparse._src.engine.feed import Entry, Feed, PartsLostError
 from jsparse._src.engine.ledger import Ledger
-from jsparse._src.engine.records import Commit
+from jsparse._src.engine.records import Commit, Status, check_rollout_id, status_record
 from jsparse._src.engine.signing import SigningKey, key_argument
-from jsparse._src.errors import IntegrityError, PayloadError, VersionError
+from jsparse._src.errors import IntegrityError, PayloadError, StalenessError, VersionError
 from jsparse._src.options import feed_argument, float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
@@ -45,6 +46,24 @@ _TRANSIENT = PayloadError("damaged or missing parts")  # read them again once
 # with an anchor at its next publish): nothing for the user to do while the trainer publishes.
 _ASKS = ("the rollout asked the trainer for an anchor (its Publisher adds one at its next "
          "publish; if none comes, check that the trainer still publishes into this feed)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+  """The weights a rollout serves now: stamp every sample generated with them, so that the
+  trainer can reject or correct samples by staleness.
+
+  Attributes:
+    version: the policy version (None: no version of the run yet).
+    digest: the digest of the rollout's state (hex), verified against the trainer's.
+    generation: the trainer generation it follows.
+    run: the run (hex).
+  """
+
+  version: int | None
+  digest: str
+  generation: int
+  run: str
 
 
 @dataclasses.dataclass
@@ -91,6 +110,12 @@ class Subscriber:
       every part is checked against its signed checksum.
     max_parts: a version naming more parts than this is ignored unread (default: what the
       plan can produce from up to 1,024 trainer processes).
+    rollout_id: this rollout's name in the trainer's fleet view (1-64 of ``A-Za-z0-9._-``):
+      give the same one to a restarted rollout so that it is recognised; default: a new
+      random id. After every poll that applied, refused or stalled, and at least every
+      ``heartbeat_seconds`` while it polls, the rollout reports what it holds in the feed
+      (:attr:`weights`, the stall or refusal reason) for the trainer's
+      :meth:`~jsparse.engine.Publisher.fleet`.
 
   Only versions of the feed's run, committed by its newest generation (the trainer that
   opened the feed last), are applied; so a zombie trainer's versions, another run's copied
@@ -116,7 +141,8 @@ class Subscriber:
 
   def __init__(self, receiver: Receiver, feed: Feed, *, start_with_anchor: bool = False,
                stall_versions: int = 2, stall_seconds: float = 60.0,
-               key: SigningKey | None = None, max_parts: int | None = None):
+               key: SigningKey | None = None, max_parts: int | None = None,
+               rollout_id: str | None = None, heartbeat_seconds: float = 5.0):
     self.receiver = typed_argument("receiver", receiver, Receiver, "a jsparse.Receiver")
     self.feed = feed_argument(feed)
     self.key = key_argument("key", key)
@@ -128,6 +154,11 @@ class Subscriber:
     self._run = ""  # the feed's run (hex), as last read
     self._commits: dict[Entry, Commit] = {}  # of the last listing
     self._holds = not start_with_anchor  # the receiver holds a version of the feed's run
+    self.rollout_id = check_rollout_id(rollout_id) if rollout_id is not None else \
+        f"rollout-{uuid.uuid4().hex[:12]}"
+    self.heartbeat_seconds = float_option("heartbeat_seconds", heartbeat_seconds)
+    self._reported: tuple | None = None  # what the last status said, and when (monotonic)
+    self._refused: str | None = None
     self.stall_versions = int_option("stall_versions", stall_versions, minimum=1)
     self.stall_seconds = float_option("stall_seconds", stall_seconds)
     self.stats = SubscriberStats()
@@ -143,6 +174,30 @@ class Subscriber:
     """The version the rollout holds: the policy version its samples come from (None while it
     holds no version of the feed's run: joined empty, or restored from another run's state)."""
     return self.receiver.version if self._holds else None
+
+  @property
+  def weights(self) -> Weights:
+    """The version and digest of the weights this rollout serves now (stamp samples)."""
+    return Weights(self.version, self.receiver.digest.hex(), self._generation, self._run)
+
+  def wait_for(self, version: int, timeout: float = 60.0, interval: float = 0.02) -> list[int]:
+    """Polls until this rollout holds ``version`` or a later one; returns what it applied.
+
+    Raises:
+      StalenessError: it does not within ``timeout`` seconds (the message says why, e.g. the
+        trainer has not published it, or the rollout is stalled).
+    """
+    deadline, applied = time.monotonic() + timeout, []
+    while True:
+      applied += self.poll()
+      if self.version is not None and self.version >= version:
+        return applied
+      if time.monotonic() > deadline:
+        raise StalenessError(
+            f"rollout {self.rollout_id} holds version {self.version}, not {version}, after "
+            f"{timeout:g} s: " + (self.stats.stalled or self._refused or
+                                  f"the feed's newest version is {max(self._newest, 0)}"))
+      time.sleep(interval)
 
   @property
   def generation(self) -> int:
@@ -164,15 +219,33 @@ class Subscriber:
         outcome = self._apply(entry, retry=True)
       if outcome is None:
         applied.append(entry.version)
-        self._needs_anchor, self._holds = False, True
+        self._needs_anchor, self._holds, self._refused = False, True, None
         continue
       self._skipped.add(entry)
+      self._refused = f"version {entry.version} ({entry.kind}) not applied: {outcome}"
       self.stats.skipped += 1
       self._needs_anchor = True
       self._request_anchor()
       self._stall = (time.monotonic(), entry.version)  # the bound counts from this request
     self._check_stall()
+    self._on_process_0("reporting this rollout's status", self._report)
     return applied
+
+  def _report(self) -> None:
+    """Writes this rollout's status into the feed if it changed, or if the last report is
+    ``heartbeat_seconds`` old (process 0)."""
+    if not self._run:
+      return
+    said = (self.version, self._generation, self.receiver.digest, self.stats.stalled,
+            self._refused, self.stats.deltas + self.stats.anchors)
+    now = time.monotonic()
+    if self._reported is not None and self._reported[0] == said and \
+        now - self._reported[1] < self.heartbeat_seconds:
+      return
+    status = Status(self.rollout_id, self.version, self._generation, self.receiver.digest.hex(),
+                    time.time(), self.stats.stalled, self._refused, said[-1])
+    self.feed.put_status(self.rollout_id, status_record(self._run, status, self.key))
+    self._reported = (said, now)
 
   def _on_process_0(self, what: str, call, default=None):
     """``call()`` on process 0 (what the feed says, which every process then agrees on);
