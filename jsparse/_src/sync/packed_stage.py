@@ -27,20 +27,21 @@ anything is applied), and replicated over the devices of each segment's leaves, 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jsparse._src.core import bitpack
-from jsparse._src.core.chunks import chunks_of
+from jsparse._src.core.chunks import Chunk, chunks_of
 from jsparse._src.core.placement import replicated_on
 from jsparse._src.core.plan import Plan
 from jsparse._src.core.units import local_value
 from jsparse._src.errors import PayloadError
 from jsparse._src.sync import programs
 from jsparse._src.sync.programs import DeviceChanges, ReceiverInputs
-from jsparse._src.sync.staging import replicated_copies, staging_device
+from jsparse._src.sync.staging import empty_slots, replicated_copies, staging_device
 from jsparse._src.wire import device_codes, packed
 from jsparse._src.wire.payload import Mode, segment_host_bits
 
@@ -80,19 +81,33 @@ def _streams_in(words: np.ndarray, at: tuple, keys: int, codes: int) -> tuple[np
   return (widths(at[0], keys), words[at[1]:at[2]], widths(at[2], codes), words[at[3]:at[4]])
 
 
+def _used_prefix(words: jax.Array, used: int) -> jax.Array:
+  """The first :func:`copy_size` words of ``words`` holding its ``used`` ones, to copy: sliced
+  on the device at the smallest size compiled that holds them, else the whole buffer, while
+  the size they need compiles in the background (``programs.SlotLevels``): no sync compiles a
+  copy. On CPU devices, and at sizes past the buffer, the whole buffer (read in place)."""
+  size = copy_size(used)
+  if size >= words.shape[0] or in_host_memory(words):
+    return words
+  if jax.process_count() > 1:  # every process runs the same programs: compiled when needed
+    return _prefix(words, size)
+  family = ("prefix", programs.like(words))
+  compiled = [n for n in programs.SLOT_LEVELS.ready(family) if n >= size]
+  abstract = programs.like(words)
+  programs.SLOT_LEVELS.request(family, size, lambda: _prefix.lower(abstract, size).compile())
+  return _prefix(words, min(compiled)) if compiled else words
+
+
 def copied_streams(packed: Sequence[tuple]) -> list[tuple[np.ndarray, ...]]:
   """:func:`used_streams` of several ``(outputs, keys, codes)`` at once: their used word
-  counts in one copy, then each buffer's used prefix (sliced on the device at one of a few
-  sizes, :func:`copy_size`; on CPU devices the whole buffer, read in place) in one
+  counts in one copy, then each buffer's used prefix (:func:`_used_prefix`) in one
   ``device_get``, the copies in flight together; the four arrays are views of those words."""
   used = jax.device_get([outputs[1] for outputs, _, _ in packed])
   offsets, prefixes = [], []
   for ((words, _), keys, codes), (key_words, code_words) in zip(packed, used):
     at = device_codes.stream_offsets(keys, codes, int(key_words), int(code_words))
-    size = copy_size(at[-1])
     offsets.append((at, keys, codes))
-    whole = size >= words.shape[0] or in_host_memory(words)
-    prefixes.append(words if whole else _prefix(words, size))
+    prefixes.append(_used_prefix(words, at[-1]))
   return [_streams_in(np.asarray(host), *where)
           for host, where in zip(jax.device_get(prefixes), offsets)]
 
@@ -113,6 +128,24 @@ def segment_modes(plan: Plan, counts: np.ndarray, overflow: np.ndarray, full: bo
                for s, seg in enumerate(plan.segments))
 
 
+def _pack_job(chunk: Chunk, ranked: bool, by_rank: Sequence[bool], level: int, args: tuple
+              ) -> Callable[[], None]:
+  """What compiles a chunk's ``pack_program`` at slot ``level`` for arguments like ``args``
+  (the call's keys, new and old bits, counts and block counts; shapes taken now, the job holds
+  no array). ``by_rank``: per segment, whether its keys are ranks."""
+  keys, new, old, counts, block_counts = args
+  slots = programs.level_slots(chunk.plan, range(len(chunk.segment_ids)), level)
+  # The level's slots, but a split segment keeps its capacity (``sparse_program``), except
+  # for its ranks.
+  lengths = [n if seg.blocks == 1 else seg.capacity for n, seg in zip(slots, chunk.plan.segments)]
+  abstract = (tuple(programs.like(x, (n if r else m,)) for x, n, m, r in
+                    zip(keys, slots, lengths, by_rank)),
+              *(tuple(programs.like(x, (m,)) for x, m in zip(xs, lengths)) for xs in (new, old)),
+              jax.ShapeDtypeStruct(counts.shape, counts.dtype),
+              jax.tree.map(programs.like, block_counts))
+  return lambda: device_codes.pack_program.lower(chunk.plan, ranked, *abstract).compile()
+
+
 class Packing(NamedTuple):
   """A sender's packed chunks in flight on the device (:func:`pack_chunks`)."""
 
@@ -129,19 +162,32 @@ def pack_chunks(plan: Plan, changes: DeviceChanges, full: bool, ranked: bool) ->
   modes = segment_modes(plan, counts, overflow, full, ranked)
   sparse = np.array([m in (Mode.BY_RANK, Mode.BY_POSITION) for m in modes], bool)
   counts = np.where(sparse, counts, 0)
-  launched = []
-  for c in chunks_of(plan):
+  launched, requests = [], []
+  for k, c in enumerate(chunks_of(plan)):
     ids = list(c.segment_ids)
-    if not counts[ids].sum():
-      launched.append(None)
-      continue
-    keys = tuple(changes.ranks[s] if modes[s] == Mode.BY_RANK else changes.delta.indices[s]
-                 for s in ids)
+    # Ranks wherever the changes have them, whatever a segment's mode (its count is 0 if not
+    # by rank): the program's shapes do not follow which segments are empty or dense.
+    by_rank = [ranked and changes.ranks is not None and changes.ranks[s] is not None
+               for s in ids]
+    keys = tuple(changes.ranks[s] if r else changes.delta.indices[s] for s, r in zip(ids, by_rank))
     block_counts = tuple(changes.block_counts[s] if changes.block_counts else None for s in ids)
-    inputs = _replicated((keys, tuple(changes.delta.values[s] for s in ids),
-                          tuple(changes.old_values[s] for s in ids), block_counts))
-    launched.append(device_codes.pack_program(c.plan, ranked, *inputs[:3],
-                                              counts[ids].astype(np.int32), inputs[3]))
+    args = (*_replicated((keys, tuple(changes.delta.values[s] for s in ids),
+                          tuple(changes.old_values[s] for s in ids))),
+            counts[ids].astype(np.int32), _replicated(block_counts))
+    ran = bool(counts[ids].sum())
+    if changes.levels:  # compiled at its level by the call, or in the background: the one
+      # its changes need and level 0, as ``sparse_program``'s (the same family)
+      family, level, needed = changes.levels[k]
+      config = ("pack", ranked)
+      if ran:
+        programs.SLOT_LEVELS.ran(family, level, config)
+      for wanted in sorted({needed, 0, level} - ({level} if ran else set())):
+        if programs.SLOT_LEVELS.wanted(family, wanted, config):
+          requests.append((family, wanted, _pack_job(c, ranked, by_rank, wanted, args),
+                           config))
+    launched.append(device_codes.pack_program(c.plan, ranked, *args) if ran else None)
+  for request in requests:  # once this call's programs are dispatched
+    programs.SLOT_LEVELS.request(*request)
   return Packing(modes, counts, launched)
 
 
@@ -181,6 +227,14 @@ def on_device(streams: Sequence[tuple | None], device) -> tuple[jax.Array, list]
   return jax.device_put(data, device), offsets
 
 
+def chunk_words(plan: Plan, slots: Sequence[int]) -> int:
+  """The words of a chunk's streams buffer on a receiver (``plan``: the chunk's): what the
+  streams of any changes in ``slots`` fill, so that its shape follows the slot level only."""
+  return device_codes.packed_words(
+      sum(slots), sum(n * device_codes.values_per_change(seg)
+                      for n, seg in zip(slots, plan.segments)))
+
+
 def _block_starts(blocks: int, counts: np.ndarray | None) -> np.ndarray | None:
   """Where each block's run starts among a split segment's changes (None: not split)."""
   if blocks == 1:
@@ -189,40 +243,99 @@ def _block_starts(blocks: int, counts: np.ndarray | None) -> np.ndarray | None:
   return (np.cumsum(counts) - counts).astype(np.int32)
 
 
-def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody) -> list:
-  """The host half of :func:`receiver_inputs`: the streams of all chunks staged on a device
-  go there in one copy; per chunk ``(device, slots, (words, their offsets, counts), block
-  starts)``."""
-  slots = programs.slots_needed(plan, body.counts)
-  devices = [staging_device(replicated_on(flat[plan.segments[c.segment_ids[0]].leaf_ids[0]]))
-             for c in chunks_of(plan)]
-  placed = {}  # device: (its words, each of its chunks' offsets)
-  for device in dict.fromkeys(devices):
-    mine = [k for k, d in enumerate(devices) if d == device]
-    data, offsets = on_device([body.streams[k] for k in mine], device)
-    placed[device] = (data, dict(zip(mine, offsets)))
-  staged = []
-  for k, (c, device) in enumerate(zip(chunks_of(plan), devices)):
+class StagedChunk(NamedTuple):
+  """A chunk's streams on the receiver's device (:func:`stage_streams`).
+
+  Attributes:
+    device: the device its segments are staged on.
+    slots: per segment, its slots (at ``level``).
+    inputs: ``(words, their offsets, counts)`` of ``unpack_program``; None: no changes.
+    starts: per segment, :func:`_block_starts`.
+    level: ``(the slot level of its slots, the level its changes need, whether they are
+      unpacked: else empty, and the unpacking is not compiled by this call)``.
+  """
+
+  device: jax.Device
+  slots: tuple[int, ...]
+  inputs: tuple | None
+  starts: tuple
+  level: tuple[int, int]
+
+
+def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
+                  ) -> list[StagedChunk]:
+  """The host half of :func:`receiver_inputs`: each chunk's streams to its device, in a
+  buffer of :func:`chunk_words` at the slot level ``programs.SlotLevels`` chooses (all of them
+  in one batched copy)."""
+  chunks, counts = chunks_of(plan), body.counts
+  staged, buffers = [], []
+  for k, c in enumerate(chunks):
     ids = list(c.segment_ids)
-    data, offsets = placed[device]
+    device = staging_device(replicated_on(flat[plan.segments[ids[0]].leaf_ids[0]]))
+    needed = programs.needed_level(plan, ids, counts)
+    level = programs.SLOT_LEVELS.choose(programs.receiver_family(c, flat), needed)
+    slots = programs.level_slots(plan, ids, level)
     starts = tuple(_block_starts(plan.segments[s].blocks, body.block_counts[s]) for s in ids)
-    inputs = (data, np.asarray(offsets[k] or (0,) * 4, np.int32),
-              np.asarray(body.counts[ids], np.int32))
-    staged.append((device, tuple(slots[s] for s in ids), inputs, starts))
+    staged.append(StagedChunk(device, slots, None, starts,
+                              (level, needed, body.streams[k] is not None)))
+    if body.streams[k] is not None:
+      words = chunk_words(c.plan, slots)
+      if sum(-(-np.asarray(a).nbytes // 4) for a in body.streams[k]) > words:
+        raise PayloadError(f"chunk {k} of a packed payload: streams longer than its "
+                           f"{words} words")
+      buffers.append((k, *device_codes.aligned_streams([body.streams[k]], words)))
+  placed = jax.device_put([data for _, data, _ in buffers],
+                          [staged[k].device for k, _, _ in buffers])
+  for (k, _, (offsets,)), data in zip(buffers, placed):
+    ids = list(chunks[k].segment_ids)
+    staged[k] = staged[k]._replace(inputs=(data, np.asarray(offsets, np.int32),
+                                           np.asarray(counts[ids], np.int32)))
   return staged
 
 
-def unpack_streams(plan: Plan, flat: Sequence[jax.Array], staged: list,
+def _chunk_slots(chunk: Chunk, device, slots: Sequence[int], staged: StagedChunk | None = None,
+                 compile_only: bool = False):
+  """A chunk's keys and ulp codes in ``slots`` on ``device`` and whether they are well formed:
+  unpacked from its ``staged`` streams, or for a chunk without changes, empty slots (both
+  committed to ``device``, as the programs after them see them). ``compile_only``: compiles
+  the programs instead (for any ``staged``)."""
+  with jax.default_device(device):
+    if compile_only:
+      sharding = jax.sharding.SingleDeviceSharding(device)
+      words = jax.ShapeDtypeStruct((chunk_words(chunk.plan, slots),), jnp.uint32,
+                                   sharding=sharding)
+      segments = len(slots)
+      device_codes.unpack_program.lower(
+          chunk.plan, tuple(slots), words, jax.ShapeDtypeStruct((4,), jnp.int32),
+          jax.ShapeDtypeStruct((segments,), jnp.int32),
+          tuple(None if seg.blocks == 1 else jax.ShapeDtypeStruct((seg.blocks,), jnp.int32)
+                for seg in chunk.plan.segments)).compile()
+      for seg, n in zip(chunk.plan.segments, slots):
+        empty_slots.lower(n, seg.bit_dtype, np.int32(seg.size)).compile()
+      return None
+    if staged is not None and staged.inputs is not None:
+      return device_codes.unpack_program(chunk.plan, tuple(slots), *staged.inputs, staged.starts)
+    empty = [empty_slots(n, seg.bit_dtype, np.int32(seg.size))
+             for seg, n in zip(chunk.plan.segments, slots)]
+    keys, values = jax.device_put(([k for k, _ in empty], [v for _, v in empty]), device)
+    return tuple(keys), tuple(values), True
+
+
+def _compile_chunk(plan: Plan, devices: Sequence, k: int, slots: Sequence[int]) -> None:
+  """Compiles what makes chunk ``k``'s slots for its segments' ``slots`` on ``devices[k]``:
+  the ``compile_staging`` of its :class:`~programs.ReceiverInputs`."""
+  _chunk_slots(chunks_of(plan)[k], devices[k], slots, compile_only=True)
+
+
+def unpack_streams(plan: Plan, flat: Sequence[jax.Array], staged: list[StagedChunk],
                    counts: np.ndarray, ranked: tuple[bool, ...]) -> ReceiverInputs:
   """The device half of :func:`receiver_inputs`: unpacks and checks every chunk, then
   replicates each segment's slots over the devices of its leaves."""
   shardings = [replicated_on(flat[seg.leaf_ids[0]]) for seg in plan.segments]
   keys, values = [None] * len(plan.segments), [None] * len(plan.segments)
   checks = []
-  for c, (device, chunk_slots, arrays, starts) in zip(chunks_of(plan), staged):
-    with jax.default_device(device):
-      chunk_keys, chunk_values, ok = device_codes.unpack_program(c.plan, chunk_slots, *arrays,
-                                                                 starts)
+  for c, chunk in zip(chunks_of(plan), staged):
+    chunk_keys, chunk_values, ok = _chunk_slots(c, chunk.device, chunk.slots, chunk)
     checks.append(ok)
     for s, k, v in zip(c.segment_ids, chunk_keys, chunk_values):
       keys[s], values[s] = k, v
@@ -231,7 +344,9 @@ def unpack_streams(plan: Plan, flat: Sequence[jax.Array], staged: list,
                        "codes a value wider than its dtype")
   placed = replicated_copies(keys + values, shardings * 2)
   return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), counts,
-                        ranked, True)
+                        ranked, True, tuple(chunk.level for chunk in staged),
+                        functools.partial(_compile_chunk, plan,
+                                          tuple(chunk.device for chunk in staged)), "packed")
 
 
 def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody

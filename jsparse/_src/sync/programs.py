@@ -62,12 +62,15 @@ class DeviceChanges(NamedTuple):
       segments named by position); None when no segment is ranked.
     block_counts: per segment, ``int32[blocks]`` changes per trainer block of a split leaf
       (None for the others).
+    levels: per chunk, ``(its family in SLOT_LEVELS, the slot level of its slots, the level its
+      changes need)`` (see :class:`SlotLevels`); empty for an anchor.
   """
 
   delta: Delta
   old_values: tuple
   ranks: tuple | None
   block_counts: tuple = ()
+  levels: tuple = ()
 
 
 class ReceiverInputs(NamedTuple):
@@ -79,10 +82,14 @@ class ReceiverInputs(NamedTuple):
     counts: ``int32[segments]``: used slots (0 for dense records, written separately).
     ranked: per segment, whether its keys are ranks (static).
     coded: whether the values are ulp codes (format 2) or new bits (static).
-    levels: per chunk, ``(the slot level of its slots, the level its changes need)`` (see
-      :class:`SlotLevels`); empty: none is compiled ahead.
-    compile_staging: ``(segment, slots) -> None`` compiles the staging's programs for a
-      segment's slots (run on the background thread of :class:`SlotLevels`), or None.
+    levels: per chunk, ``(the slot level of its slots, the level its changes need, whether
+      the staging compiled its programs for those slots)`` (see :class:`SlotLevels`); empty:
+      none is compiled ahead.
+    compile_staging: ``(chunk, slots) -> None`` compiles the programs that stage the slots of
+      chunk ``chunk`` (its index in ``chunks_of``) for its segments' ``slots`` (run on the
+      background thread of :class:`SlotLevels`), or None.
+    staging: which stage made them (``"records"``: ``staging.py``; ``"packed"``:
+      ``packed_stage.py``): their programs are compiled for each.
   """
 
   keys: tuple
@@ -91,7 +98,8 @@ class ReceiverInputs(NamedTuple):
   ranked: tuple[bool, ...]
   coded: bool
   levels: tuple = ()
-  compile_staging: Callable[[int, int], None] | None = None
+  compile_staging: Callable[[int, tuple[int, ...]], None] | None = None
+  staging: str = "records"
 
 
 def cast_flat(plan: Plan, flat: list) -> list[jax.Array]:
@@ -201,8 +209,9 @@ def _relaid(targets: list) -> tuple | None:
 
 def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, *args: tuple) -> tuple:
   """:func:`sparse_program` of a chunk at the highest compiled slot level that holds its
-  ``counts`` (see :class:`SlotLevels`); the level they need, if another, is added to
-  ``requests``. ``args``: the chunk's tables, positions, new and old bits."""
+  ``counts`` (see :class:`SlotLevels`), and ``(its family, that level, the level they
+  need)``; the level they need, if another, is added to ``requests``. ``args``: the chunk's
+  tables, positions, new and old bits."""
   ids = range(len(chunk.segment_ids))
   needed = needed_level(chunk.plan, ids, counts[list(chunk.segment_ids)])
   family = ("send", chunk.plan, tuple(t is None for t in args[0]), args[1][0].sharding)
@@ -212,7 +221,8 @@ def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, *args: tuple) -> 
     slots, abstract = level_slots(chunk.plan, ids, needed), jax.tree.map(like, args)
     requests.append((family, needed, lambda: sparse_program.lower(chunk.plan, slots,
                                                                   *abstract).compile()))
-  return sparse_program(chunk.plan, level_slots(chunk.plan, ids, level), *args)
+  return (sparse_program(chunk.plan, level_slots(chunk.plan, ids, level), *args),
+          (family, level, needed))
 
 
 def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ranks: bool = True
@@ -232,19 +242,21 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
                                       for k in (1, 2, 3))
   next_snapshot = place_leaves(plan, chunks, [o[4] for o in outs], _cast_unchunked(plan, new))
   digest = sum_digests([o[5] for o in outs])
-  ranks_out = None
+  ranks_out, levels = None, ()
   if ranks:  # a delta: its changes (and ranks) need only as many slots as this step's changes
     counts, requests = local_value(delta.counts), []
     trimmed = [_trimmed(c, counts, requests, c.segments(tables), c.segments(delta.indices),
                         c.segments(delta.values), c.segments(old_values)) for c in chunks]
     for request in requests:  # once this call's programs are compiled
       SLOT_LEVELS.request(*request)
+    levels = tuple(level for _, level in trimmed)
     indices, values, old_values, ranks_out = (
-        place_segments(plan, chunks, [[seg[k] for seg in out] for out in trimmed])
+        place_segments(plan, chunks, [[seg[k] for seg in out] for out, _ in trimmed])
         for k in range(4))
     delta = delta._replace(indices=indices, values=values)
     ranks_out = ranks_out if coding.ranked else None
-  return DeviceChanges(delta, old_values, ranks_out, block_counts), next_snapshot, digest
+  return (DeviceChanges(delta, old_values, ranks_out, block_counts, levels), next_snapshot,
+          digest)
 
 
 # Slot levels: level k holds a segment's capacity times 2**(-k/2), down to an eighth. Steps of a
@@ -362,8 +374,13 @@ class SlotLevels:
       known = self._families.get(family)
       if known is None or not known.ready:
         return 0
-      common = set.intersection(*known.ready.values())
-      return max((level for level in common if level <= needed), default=needed)
+    return max((level for level in self.ready(family) if level <= needed), default=needed)
+
+  def ready(self, family: Any) -> set[int]:
+    """The levels of ``family`` compiled for every config it ran with."""
+    with self._lock:
+      known = self._families.get(family)
+      return set.intersection(*known.ready.values()) if known and known.ready else set()
 
   def ran(self, family: Any, level: int, config: Any = None) -> None:
     """Records that a call of ``family`` ran (so compiled) ``level`` for ``config``."""
@@ -520,15 +537,17 @@ def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs,
     if inputs.levels:  # this call compiles its level; the one needed, and the fallback level
       # 0 (a first call of this config may not be at 0), in the background
       family = receiver_family(c, flat)
-      config = (chunk_layouts, inputs.coded, ranked, bool(donate))
-      level, needed = inputs.levels[k]
-      SLOT_LEVELS.ran(family, level, config)
-      for wanted in sorted({needed, 0} - {level}):
+      config = (chunk_layouts, inputs.coded, ranked, bool(donate), inputs.staging)
+      level, needed, staged = inputs.levels[k]
+      if staged:
+        SLOT_LEVELS.ran(family, level, config)
+      for wanted in sorted({needed, 0, level} - ({level} if staged else set())):
         if SLOT_LEVELS.wanted(family, wanted, config):
           requests.append((family, wanted, _receiver_job(
-              c, wanted, chunk_layouts, inputs.coded, ranked, donate, chunk_flat, keys, values,
-              counts, inputs.compile_staging), config))
-    if inputs.coded:
+              k, c, wanted, chunk_layouts, inputs.coded, ranked, donate, chunk_flat, keys,
+              values, counts, inputs.compile_staging), config))
+    if inputs.coded and any(ranked):  # (unused slots hold the segment size already: keys
+      # that are positions need no pass)
       indices = positions_program(c.plan, chunk_layouts, ranked, chunk_flat, keys, counts)
     outs.append(apply_program(donate)(c.plan, chunk_layouts, inputs.coded, chunk_flat, indices,
                                       values, c.leaf_id_array))
@@ -538,11 +557,12 @@ def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs,
           sum_digests([o[1] for o in outs]))
 
 
-def _receiver_job(chunk: Chunk, level: int, layouts: tuple, coded: bool, ranked: tuple,
+def _receiver_job(k: int, chunk: Chunk, level: int, layouts: tuple, coded: bool, ranked: tuple,
                   donate: bool, flat: list, keys: tuple, values: tuple, counts: np.ndarray,
-                  compile_staging: Callable[[int, int], None] | None) -> Callable[[], None]:
-  """What compiles a receiver chunk's programs at ``level``, with the shapes and shardings of
-  this call's arrays (taken now: the job holds no array)."""
+                  compile_staging: Callable[[int, tuple[int, ...]], None] | None
+                  ) -> Callable[[], None]:
+  """What compiles the programs of a receiver's chunk ``k`` at ``level``, with the shapes and
+  shardings of this call's arrays (taken now: the job holds no array)."""
   slots = level_slots(chunk.plan, range(len(chunk.segment_ids)), level)
   flat = [like(x) for x in flat]
   keys = tuple(like(x, (n,)) for x, n in zip(keys, slots))
@@ -550,10 +570,9 @@ def _receiver_job(chunk: Chunk, level: int, layouts: tuple, coded: bool, ranked:
 
   def job() -> None:
     if compile_staging is not None:
-      for s, n in zip(chunk.segment_ids, slots):
-        compile_staging(s, n)
+      compile_staging(k, slots)
     indices = keys
-    if coded:
+    if coded and any(ranked):
       compiled = positions_program.lower(chunk.plan, layouts, ranked, flat, keys,
                                          counts).compile()
       indices = tuple(jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding)

@@ -63,7 +63,7 @@ def _empty(slots: int, dtype: np.dtype, fill: jax.Array) -> tuple[jax.Array, jax
 
 
 # ``fill`` is traced, so segments of other sizes share the compilations.
-_empty_slots = jax.jit(_empty, static_argnums=(0, 1))
+empty_slots = jax.jit(_empty, static_argnums=(0, 1))
 _write_block = jax.jit(_written, donate_argnums=(0, 1))
 
 
@@ -101,12 +101,20 @@ def compile_slots(plan: Plan, devices: Sequence, segment: int, slots: int) -> No
   block_values = jax.ShapeDtypeStruct((block,), dtype)
   with jax.default_device(device):
     _device_owned.lower(block_keys, block_values).compile()
-    _empty_slots.lower(slots, seg.bit_dtype, fill).compile()
+    empty_slots.lower(slots, seg.bit_dtype, fill).compile()
     _slots_with_block.lower(slots, fill, block_keys, block_values, fill).compile()
     _write_block.lower(jax.ShapeDtypeStruct((slots,), jnp.int32),
                        jax.ShapeDtypeStruct((slots,), dtype), block_keys, block_values, fill,
                        fill).compile()
   _COMPILED.add(key)
+
+
+def compile_chunk_slots(plan: Plan, devices: Sequence, chunk: int, slots: Sequence[int]
+                        ) -> None:
+  """:func:`compile_slots` for each segment of ``chunk`` (its index in ``chunks_of``) at its
+  ``slots``: the ``compile_staging`` of :class:`~programs.ReceiverInputs`."""
+  for s, n in zip(chunks_of(plan)[chunk].segment_ids, slots):
+    compile_slots(plan, devices, s, n)
 
 
 def staging_device(sharding) -> jax.Device:
@@ -196,7 +204,7 @@ class StagedRecords:
     slots, levels = [0] * len(self.plan.segments), []
     for c, family in zip(chunks_of(self.plan), self._families):
       needed = programs.needed_level(self.plan, c.segment_ids, sizing)
-      levels.append((programs.SLOT_LEVELS.choose(family, needed), needed))
+      levels.append((programs.SLOT_LEVELS.choose(family, needed), needed, True))
       for s, n in zip(c.segment_ids, programs.level_slots(self.plan, c.segment_ids,
                                                           levels[-1][0])):
         slots[s] = n
@@ -210,7 +218,7 @@ class StagedRecords:
           key, value = _slots_with_block(n, fill, blocks[0][0], blocks[0][1],
                                          np.int32(blocks[0][2]))
         else:
-          key, value = _empty_slots(n, seg.bit_dtype, fill)
+          key, value = empty_slots(n, seg.bit_dtype, fill)
         start = blocks[0][2] if blocks else 0
         for block_keys, block_values, count in blocks[1:]:
           key, value = _write_block(key, value, block_keys, block_values, np.int32(start),
@@ -222,7 +230,8 @@ class StagedRecords:
     placed = replicated_copies(keys + values, self._shardings * 2)
     return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), counts,
                           tuple(ranked), coded, tuple(levels),
-                          functools.partial(compile_slots, self.plan, tuple(self._devices)))
+                          functools.partial(compile_chunk_slots, self.plan,
+                                            tuple(self._devices)))
 
 
 def stage_records(plan: Plan, flat: Sequence[jax.Array], records: Iterable[SegmentPayload]
