@@ -19,11 +19,14 @@ from jsparse._src.wire import framing
 DRIFT = (0.04, 0.02, 0.015, 0.01, 0.007, 0.005, 0.002, 0.03, 0.0005, 0.04)  # each level
 
 _COMPILES: collections.Counter = collections.Counter()  # XLA compilations, by thread
+_SYNC_COMPILES: list = []  # those on any thread but the slot levels' (e.g. a host pool's)
 
 
 def _count(event: str, seconds: float, **kwargs) -> None:
   if event == "/jax/core/compile/backend_compile_duration":
     _COMPILES[threading.get_ident()] += 1
+    if threading.current_thread().name != "jsparse-slot-levels":
+      _SYNC_COMPILES.append(kwargs.get("fun_name"))
 
 
 jax.monitoring.register_event_duration_secs_listener(_count)  # once: listeners stay
@@ -116,3 +119,53 @@ def test_levels_compiled_in_the_background_then_serve(monkeypatch):
   assert sorted(n for slots in sent for n in slots) == sorted(wanted)
   assert sorted(n for slots in applied for n in slots) == sorted(wanted)
   assert max(wanted) < max(seg.capacity for seg in plan.segments) // 4  # the last level
+
+
+def _model_tree(rng, width: int) -> dict:
+  """Shaped like a small trained model: matrices (segments of their own), and biases near
+  zero and norm scales (pooled) whose tiny ulps make them change at a high density."""
+  return {"embed": 0.02 * rng.standard_normal((4 * width, width), np.float32),
+          "up": 0.05 * rng.standard_normal((width, 4 * width), np.float32),
+          "down": 0.05 * rng.standard_normal((4 * width, width), np.float32),
+          "up_bias": 1e-4 * rng.standard_normal(4 * width, np.float32),
+          "down_bias": 1e-4 * rng.standard_normal(width, np.float32),
+          "norm": 1 + 0.01 * rng.standard_normal(width, np.float32)}
+
+
+def _model_step(rng, params: dict, density: float) -> dict:
+  """An update changing about ``density`` of the matrices' bf16 elements and ten times that
+  (at most all) of the biases'."""
+  return {name: x + jnp.asarray(_moved(rng, np.asarray(x), density if x.ndim == 2
+                                       else min(1.0, 10 * density))) for name, x in params.items()}
+
+
+def _moved(rng, x: np.ndarray, density: float) -> np.ndarray:
+  """A step for ``x`` that moves about ``density`` of its elements by a few bf16 ulps."""
+  step = np.zeros_like(x)
+  at = rng.random(x.shape) < density
+  step[at] = 0.03 * np.abs(x[at]) + 1e-7
+  return step
+
+
+@pytest.mark.parametrize("coding", list(jsparse.Coding))
+def test_no_sync_after_the_first_compiles_on_a_model_like_tree(coding):
+  """At the default settings, for every coding, neither side compiles in a sync after the
+  first, whatever the density (1%, 4%, 0.05%, 1%): the programs of every slot level, and of
+  whatever else the density changes, compile on the background thread only."""
+  rng = np.random.default_rng(5)
+  # One tree for every coding (the programs they share compile once: a quicker test; each
+  # coding's own programs are its own).
+  params = {k: jnp.asarray(v) for k, v in _model_tree(rng, 128).items()}
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  sender = jsparse.Sender(plan, params, coding=coding)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  compiled, densities = [], []
+  for density in (0.01, 0.04, 0.0005, 0.01):
+    params = _model_step(rng, params, density)
+    before = len(_SYNC_COMPILES)
+    assert_trees_bitwise_equal(_whole(sender, receiver, params), plan.cast(params))
+    compiled.append(_SYNC_COMPILES[before:])
+    densities.append(sender.last_stats.density)
+    assert programs.wait_for_slot_levels(timeout=600)
+  assert all(not c for c in compiled[1:]), f"compiled after the first sync: {compiled[1:]}"
+  assert densities[1] > 2 * densities[0] > 8 * densities[2], densities
