@@ -4,14 +4,15 @@ device inputs. The device codes; the host moves words.
 Sender (:func:`packed_body`): each chunk with changes runs ``pack_program`` on the device (all
 chunks are dispatched at once), which lays its two streams in one buffer as the receiver reads
 them; the host then reads every chunk's used lengths in one copy, copies only the used prefix
-of each buffer (sliced on the device at one of a few sizes, at most twice what is used; on CPU
-devices read in place) in one ``device_get``, and frames them. (Streams of parts, where a part
-crosses the link while the next is packed, copy unit by unit: ``packed_units.py``.) Receiver
-(:func:`receiver_inputs`): the streams of all chunks staged on one device go there in one copy
-(each array on a word);
-each chunk is unpacked and checked there from its offsets (one flag per chunk, read before
-anything is applied), and replicated over the devices of each segment's leaves, as
-``staging.py`` does for the other formats.
+of each buffer (sliced on the device at one of a few sizes, at most twice what is used, once
+that size is compiled; on CPU devices read in place) in one ``device_get``, and frames them.
+(Streams of parts, where a part crosses the link while the next is packed, copy unit by unit:
+``packed_units.py``.) Receiver (:func:`receiver_inputs`): each chunk's streams go to its
+device in a buffer sized by its slot level (each array on a word; all chunks in one batched
+copy); each chunk is unpacked and checked there from its offsets (one flag per chunk, read
+before anything is applied), and replicated over the devices of each segment's leaves, as
+``staging.py`` does for the other formats. Both sides' programs take shapes that follow the
+slot levels only, compiled ahead with them (``programs.SlotLevels``).
 
 >>> import jax.numpy as jnp, jsparse
 >>> params = {'w': jnp.zeros(1000)}

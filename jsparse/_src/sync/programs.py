@@ -321,9 +321,10 @@ class SlotLevels:
   """Which slot levels of the per-change programs are compiled, and a background thread that
   compiles the others, so that no sync after the first compiles.
 
-  A chunk's per-change programs (the sender's :func:`sparse_program`; the receiver's staging,
-  positions and apply) take slots sized to the step's changes: its capacities scaled down by
-  0 to 6 steps of ``sqrt(2)`` (the *level*: :func:`level_slots`), each level a compilation. A
+  A chunk's per-change programs (the sender's :func:`sparse_program` and packing; the
+  receiver's staging or unpacking, positions and apply) take slots sized to the step's
+  changes: its capacities scaled down by 0 to 6 steps of ``sqrt(2)`` (the *level*:
+  :func:`level_slots`), each level a compilation. A
   training run's density drifts across those boundaries (AdamW: 2.2% to 0.85% over its first
   steps), and compiling a level when a step first needs it stalls that step for seconds.
   Instead, the first call of a chunk's programs runs (and compiles) level 0, the capacity,
