@@ -194,6 +194,11 @@ class RolloutSubscriber:
   def version(self) -> int | None:
     return self.subscriber.version
 
+  @property
+  def weights(self):
+    """The version and digest of the weights the rollout generates with (stamp samples)."""
+    return self.subscriber.weights
+
   def poll(self) -> list[int]:
     """Applies every version in the feed now and installs the newest into the rollout; returns
     the versions applied."""

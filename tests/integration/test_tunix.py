@@ -59,6 +59,9 @@ def test_every_sync_leaves_the_rollout_bit_identical_to_the_trainer_cast_to_bf16
   assert [r.version for r in records] == list(range(1, STEPS + 1))
   for r in records:  # a delta of the changed elements, far below Tunix's fp32 copy
     assert 0 < r.changed < 0.2 * r.elements and r.payload_bytes < 0.5 * r.dense_bytes, r
+  # Every sync records the digest of the weights generated with after it: one per version.
+  assert records[-1].digest == sparse.sparse.link.receiver.digest.hex()
+  assert len({r.digest for r in records}) == STEPS and all(len(r.digest) == 16 for r in records)
 
 
 def test_the_run_equals_the_same_run_with_tunix_dense_sync(dense, sparse):

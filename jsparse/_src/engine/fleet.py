@@ -7,10 +7,13 @@ larger than a status, or (with a key that can sign) is not signed by it, is igno
 warning; and statuses are only ever used to *keep* more (retention by need) or to *wait*
 (bounded staleness), never to delete what the fixed retention rule keeps.
 
->>> rows = fleet_view({}, run="ab" * 16, key=None, published={}, latest=0, now=0.0,
-...                   gone_seconds=60.0)
->>> rows
-[]
+>>> import time
+>>> from jsparse._src.engine.records import Status, status_record
+>>> status = Status("r1", 2, 1, "00" * 8, time.time(), None, None, 2)
+>>> [(r.rollout, r.lag_versions, r.digest_ok) for r in fleet_view(
+...     {"r1": status_record("ab" * 16, status, None)}, run="ab" * 16, key=None,
+...     published={2: ("00" * 8, 0.0)}, latest=3, now=time.time(), gone_seconds=60.0)]
+[('r1', 1, True)]
 """
 
 from __future__ import annotations
@@ -61,12 +64,9 @@ class RolloutInfo:
     return not self.gone
 
 
-_WARNED: set = set()
-
-
 def fleet_view(statuses: Mapping[str, bytes], *, run: str, key: SigningKey | None,
                published: Mapping[int, tuple[str, float]], latest: int, now: float,
-               gone_seconds: float) -> list[RolloutInfo]:
+               gone_seconds: float, warned: set | None = None) -> list[RolloutInfo]:
   """The rollouts of run ``run`` from their status records, by id.
 
   Args:
@@ -77,14 +77,16 @@ def fleet_view(statuses: Mapping[str, bytes], *, run: str, key: SigningKey | Non
     latest: the newest version the trainer published.
     now: the trainer's time (seconds since the epoch).
     gone_seconds: a rollout not seen this long is gone.
+    warned: what was warned about already (each ignored status is warned about once).
   """
+  warned = set() if warned is None else warned
   rows = []
   for rollout in sorted(statuses):
     try:
       status = read_status(statuses[rollout], run, rollout, key)
     except PartsLostError as e:
-      if (rollout, str(e)) not in _WARNED:
-        _WARNED.add((rollout, str(e)))
+      if (rollout, str(e)) not in warned:
+        warned.add((rollout, str(e)))
         logging.getLogger("jsparse").warning("jsparse: ignoring a status in the feed: %s", e)
       continue
     known = published.get(status.version) if status.version is not None else None

@@ -122,7 +122,8 @@ class Publisher:
     self.gone_seconds = float_option("gone_seconds", gone_seconds)
     self.retain_versions = int_option("retain_versions", retain_versions, minimum=0)
     self.retain_bytes = int_option("retain_bytes", retain_bytes, minimum=0, optional=True)
-    self._published: dict[int, tuple[str, float]] = {}  # version -> (digest hex, time)
+    self._warned: set = set()  # statuses ignored and warned about
+    self._published = {sender.version: (sender.digest.hex(), time.time())}  # what it sent
     self.key = key_argument("key", key)
     if self.key is not None and not self.key.can_sign:
       raise ConfigError("Publisher: its key holds only a public key; give it the private key "
@@ -243,7 +244,7 @@ class Publisher:
   def _fleet_rows(self) -> list[RolloutInfo]:
     return fleet_view(self.feed.statuses(), run=self.run, key=self.key,
                       published=self._published, latest=self.sender.version, now=time.time(),
-                      gone_seconds=self.gone_seconds)
+                      gone_seconds=self.gone_seconds, warned=self._warned)
 
   def _wait_for_fleet(self, version: int) -> None:
     """Waits until every live rollout holds ``version - 1 - max_lag`` or later (see the class

@@ -39,6 +39,8 @@ class SyncRecord:
     dense_bytes: what Tunix's dense sync moves for the same state (the trainer's arrays, before
       its cast on the rollout side).
     seconds: wall time of the whole sync (send, receive, install), on the host clock.
+    digest: the digest (hex) of the weights the rollout generates with after it, verified
+      against the trainer's: stamp samples with it and ``version``.
 
   >>> record = SyncRecord(3, changed=900, elements=100_000, payload_bytes=1_000,
   ...                     dense_bytes=400_000, seconds=0.08)
@@ -51,6 +53,7 @@ class SyncRecord:
   payload_bytes: int
   dense_bytes: int
   seconds: float
+  digest: str = ""
 
   @property
   def density(self) -> float:
@@ -123,7 +126,8 @@ class SparseRollout(BaseRollout):
       jax.block_until_ready(self.link.receiver.params)
     self.records.append(SyncRecord(moved.version, moved.changed, self.link.sender.plan.num_elements,
                                    moved.payload_bytes, self._dense_bytes,
-                                   time.perf_counter() - start))
+                                   time.perf_counter() - start,
+                                   self.link.receiver.digest.hex()))
 
   def generate(self, prompts, rollout_config, **kwargs):
     return self.inner.generate(prompts, rollout_config, **kwargs)
