@@ -6,8 +6,6 @@ import logging
 import threading
 import time
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jsparse
@@ -15,20 +13,9 @@ from jsparse._src.engine.records import Status, status_record
 from jsparse.engine import DirectoryFeed, HmacKey, ObjectStoreFeed, Publisher, Subscriber
 from jsparse.errors import StalenessError
 from jsparse.testing import assert_trees_bitwise_equal
-from tests import strategies
 
 
-def _states(count, seed=0):
-  rng = np.random.default_rng(seed)
-  states = [{"w": rng.normal(size=4096).astype(np.float32),
-             "b": rng.normal(size=64).astype(np.float32)}]
-  for _ in range(count):
-    states.append({k: strategies.nudge_leaf(rng, v, 0.02) for k, v in states[-1].items()})
-  return [{k: jnp.asarray(v) for k, v in s.items()} for s in states]
-
-
-STATES = _states(16)
-PLAN = jsparse.make_plan(STATES[0], rollout_dtype=jnp.bfloat16, bucket_size=1024)
+from tests.engine.fleet_states import PLAN, STATES
 
 
 @pytest.fixture(params=["directory", "object"])
@@ -206,3 +193,9 @@ def test_a_gone_rollout_holds_nothing_back(feed):
   deltas = sorted(e.version for e in feed.entries() if e.kind == "delta")
   assert deltas[0] > 1  # nothing kept for the rollout that is gone
   assert {r.rollout: r.gone for r in publisher.fleet()} == {"steady": False, "dead": True}
+
+
+def test_a_trainer_and_two_rollout_processes_on_a_directory(tmp_path, caplog):
+  from tests.engine.fleet_scenario import check, feed_spec, run_scenario
+  feed = DirectoryFeed(tmp_path / "feed")
+  check(run_scenario(feed, feed_spec(feed, tmp_path), tmp_path, caplog))

@@ -521,3 +521,9 @@ def test_signed_versions_on_s3_refuse_forged_and_unsigned_commits(s3, prefix, ke
 
 def test_a_trainer_restored_twice_on_s3_fences_its_zombie(s3, prefix):
   check_twin_publishers(lambda: s3.feed(prefix))
+
+
+def test_a_trainer_and_two_rollout_processes_on_s3(s3, prefix, tmp_path, caplog):
+  from tests.engine.fleet_scenario import check, feed_spec, run_scenario
+  feed = s3.feed(prefix)
+  check(run_scenario(feed, feed_spec(feed, tmp_path), tmp_path, caplog))

@@ -196,3 +196,12 @@ def test_a_trainer_restored_twice_over_ray_fences_its_zombie(local_ray):
   name = f"twins-{uuid.uuid4().hex[:8]}"
   engine.RayFeed.create(name, timeout=30)
   check_twin_publishers(lambda: engine.RayFeed.connect(name, timeout=30))
+
+
+def test_a_trainer_and_two_rollout_processes_on_ray(local_ray, tmp_path, caplog):
+  from tests.engine.fleet_scenario import check, run_scenario
+  name = f"fleet-{uuid.uuid4().hex[:8]}"
+  feed = engine.RayFeed.create(name, timeout=30)
+  context = ray.get_runtime_context()
+  spec = f"ray:{context.gcs_address}:{context.namespace}:{name}"
+  check(run_scenario(feed, spec, tmp_path, caplog))
