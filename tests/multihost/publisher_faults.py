@@ -73,6 +73,8 @@ def main(process: int, port: str, root: str) -> None:
               for shard in rollout.params["w"].addressable_shards)
   print(json.dumps({"rollout_version": rollout.version, "exact": bool(exact),
                     "pending": len(feed.pending())}), flush=True)
+  fleet = [[r.rollout, r.version, r.digest_ok, r.lag_versions] for r in publisher.fleet()]
+  print(json.dumps({"fleet": fleet, "rollout_id": rollout.rollout_id}), flush=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,13 @@ def test_a_feed_failing_on_one_trainer_process_never_hangs_the_job(tmp_path):
   assert [proc.returncode for proc in procs] == [0, 0]
   lines = [[json.loads(line) for line in out.splitlines() if line.startswith("{")]
            for out in outputs]
-  assert [len(x) for x in lines] == [VERSIONS + 1, VERSIONS + 1]
+  assert [len(x) for x in lines] == [VERSIONS + 2, VERSIONS + 2]
+  # The trainer's fleet view, read on process 0, is the same on both: the 2-process rollout
+  # (one id, process 0's) at the last version, its digest the trainer's.
+  fleets = [process_lines.pop() for process_lines in lines]
+  rollout_id = fleets[0]["rollout_id"]
+  assert fleets[0] == fleets[1] == {"fleet": [[rollout_id, VERSIONS, True, 0]],
+                                    "rollout_id": rollout_id}
   for process_lines in lines:  # both processes alike: version 2 raised, version 3 resyncs
     by_version = {x["version"]: x for x in process_lines[:-1]}
     assert by_version[2]["raised"] in ("OSError", "PartsLostError")

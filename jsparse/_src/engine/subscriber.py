@@ -155,7 +155,7 @@ class Subscriber:
     self._commits: dict[Entry, Commit] = {}  # of the last listing
     self._holds = not start_with_anchor  # the receiver holds a version of the feed's run
     self.rollout_id = check_rollout_id(rollout_id) if rollout_id is not None else \
-        f"rollout-{uuid.uuid4().hex[:12]}"
+        agreed_bytes(f"rollout-{uuid.uuid4().hex[:12]}".encode()).decode()  # process 0's
     self.heartbeat_seconds = float_option("heartbeat_seconds", heartbeat_seconds)
     self._reported: tuple | None = None  # what the last status said, and when (monotonic)
     self._refused: str | None = None
