@@ -19,8 +19,9 @@ from typing import Any
 from jsparse._src.engine.feed import DirectoryFeed, Entry, Feed, PartsLostError
 from jsparse._src.engine.publisher import Publisher
 from jsparse._src.engine.signing import Ed25519Key, HmacKey
-from jsparse._src.engine.subscriber import Subscriber, SubscriberStats
-from jsparse._src.errors import FencedError
+from jsparse._src.engine.fleet import RolloutInfo
+from jsparse._src.engine.subscriber import Subscriber, SubscriberStats, Weights
+from jsparse._src.errors import FencedError, StalenessError
 
 _LAZY = {"RayFeed": "ray_feed",  # Ray and obstore are imported on first use only
          "ObjectStoreFeed": "object_feed"}
@@ -34,5 +35,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["DirectoryFeed", "Ed25519Key", "Entry", "FencedError", "Feed",  # noqa: F822
-           "HmacKey", "ObjectStoreFeed", "PartsLostError", "Publisher", "RayFeed", "Subscriber",
-           "SubscriberStats"]
+           "HmacKey", "ObjectStoreFeed", "PartsLostError", "Publisher", "RayFeed", "RolloutInfo",
+           "StalenessError", "Subscriber", "SubscriberStats", "Weights"]
