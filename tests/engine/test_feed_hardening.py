@@ -10,6 +10,8 @@ import threading
 
 import pytest
 
+import jsparse
+
 from jsparse._src.engine import feed as feed_lib
 from jsparse.engine import DirectoryFeed, Entry, PartsLostError
 
@@ -299,3 +301,27 @@ def test_many_polls_leak_no_file_descriptors(feed):
   for _ in range(300):
     poll()
   assert len(os.listdir("/proc/self/fd")) <= before + 2
+
+
+def test_statuses_follow_no_link_and_skip_what_is_not_a_status(feed, outside):
+  feed.put_status("r1", b"first")
+  status = feed.root / "status"
+  (status / "r2").symlink_to(outside)  # planted: never read, and replaced, not written through
+  (status / "big").write_bytes(b"x" * 5000)
+  (status / "-bad-name").write_bytes(b"x")
+  assert feed.statuses() == {"r1": b"first"}
+  feed.put_status("r2", b"second")
+  assert outside.read_bytes() == b"precious" and not (status / "r2").is_symlink()
+  assert feed.statuses() == {"r1": b"first", "r2": b"second"}
+  with pytest.raises(jsparse.ConfigError, match="bad id"):
+    feed.put_status("../escape", b"x")
+  feed.remove_status("r1")
+  assert feed.statuses() == {"r2": b"second"}
+
+
+def test_a_linked_status_directory_is_not_followed(tmp_path, outside):
+  feed = DirectoryFeed(tmp_path / "feed")
+  (feed.root / "status").symlink_to(outside.parent)
+  with pytest.raises(PartsLostError, match="expected the status directory"):
+    feed.put_status("r1", b"x")
+  assert sorted(p.name for p in outside.parent.iterdir()) == ["feed", "precious.txt"]
