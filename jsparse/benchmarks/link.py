@@ -133,3 +133,36 @@ def print_stream_times(rows: dict, chunk_bytes: int = 4 << 20) -> None:
   for rate, methods in rows.items():
     line = "  ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in methods.items())
     print(f"{rate:>6g} Gb/s  {line}")
+
+
+def lagging_rollout(plan, states: Sequence, lag: int = 4, keep: int = 1) -> dict:
+  """Bytes a rollout lagging ``lag`` versions reads to catch up, with retention by need (the
+  deltas back to the version it holds are kept while it is live) against a fixed ``keep``
+  (it then takes the newest anchor and the deltas after it); and the bytes the feed holds."""
+  lag = min(lag, len(states) - 1)
+  rows = {}
+  for name, retain in (("by need", 64), (f"keep {keep}", 0)):
+    with tempfile.TemporaryDirectory() as root:
+      feed = DirectoryFeed(root)
+      publisher = Publisher(jsparse.Sender(plan, states[0]), feed, anchor_every=2, keep=keep,
+                            retain_versions=retain)
+      steady, lagging = (Subscriber(jsparse.Receiver(plan, plan.cast(states[0])), feed,
+                                    rollout_id=rollout) for rollout in ("steady", "lagging"))
+      lagging.poll()  # reports version 0, then lags
+      for state in states[1:lag + 1]:
+        publisher.publish(state)
+        steady.poll()
+      held = sum(feed.part_bytes(e) for e in feed.entries())
+      lagging.poll()
+      assert lagging.version == publisher.sender.version
+      rows[name] = {"bytes_read": lagging.stats.bytes_read, "anchors": lagging.stats.anchors,
+                    "deltas": lagging.stats.deltas, "feed_bytes": held, "lag": lag}
+  return rows
+
+
+def print_lagging_rollout(rows: dict) -> None:
+  print("a rollout lagging behind the trainer catches up (bytes it reads, what the feed holds)")
+  print(f"{'retention':>10} {'lag':>4} {'read':>12} {'anchors':>8} {'deltas':>7} {'feed':>12}")
+  for name, x in rows.items():
+    print(f"{name:>10} {x['lag']:>4} {x['bytes_read']:>12,} {x['anchors']:>8} {x['deltas']:>7} "
+          f"{x['feed_bytes']:>12,}")
