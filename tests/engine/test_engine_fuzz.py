@@ -4,7 +4,8 @@ an anchor, parts lost, truncated or corrupted in place, anchor requests lost, ro
 trainer restarted from states saved earlier, a restored twin of the trainer started while the
 old one still publishes (its publishes refused, or its commit landing just after it was
 replaced), forged, garbled, oversized and copied commits planted under real or future names,
-rollouts that lag or join late with other bits.
+the feed reset for a new run while the old trainer still runs (directory feeds), rollouts that
+lag or join late with other bits.
 
 Invariants: a rollout never holds wrong bits for the version it states (checked after every
 poll); the trainer keeps publishing through every fault; once the faults stop, every rollout
@@ -33,7 +34,7 @@ from tests import strategies
 _CASES = int(os.environ.get("JSPARSE_FUZZ_EXAMPLES", "6"))
 _FAULT_STEPS, _CLEAN_STEPS, _BOUND = 14, 6, 3
 _FAULTS = ("put_fail", "lose_part", "truncate", "flip", "drop_request", "restart_rollout",
-           "restart_trainer", "twin_trainer", "forge", "none", "none")
+           "restart_trainer", "twin_trainer", "forge", "reset", "none", "none")
 
 
 class _FaultyFeed:
@@ -171,10 +172,12 @@ def run_case(plan, seed: int, feed, damage) -> dict:
   rng = np.random.default_rng(1000 + seed)
   trainer_feed = _FaultyFeed(feed)
   params = {k: jnp.asarray(v) for k, v in _tree(np.random.default_rng(0)).items()}
-  history = {0: plan.cast(params)}  # version -> the rollout bits it stands for
+  history = {}  # (run, version) -> the rollout bits it stands for
   options = dict(anchor_every=[None, 3, 5][int(rng.integers(3))],
                  keep=[0, 2, 8][int(rng.integers(3))], chunk_bytes=int(rng.choice([800, 4000])))
   publisher = Publisher(jsparse.Sender(plan, params), trainer_feed, **options)
+  history[(publisher.run, 0)] = plan.cast(params)
+  initial = history[(publisher.run, 0)]
   trainer_saves = [_host_copy(publisher.sender.state())]
 
   def rollout(start, **kwargs):
@@ -183,7 +186,7 @@ def run_case(plan, seed: int, feed, damage) -> dict:
             "view": view, "period": int(rng.integers(1, 4)), "saves": [], "lag": 0,
             "longest": 0}
 
-  rollouts = [rollout(jsparse.Receiver(plan, history[0]))]
+  rollouts = [rollout(jsparse.Receiver(plan, initial))]
   late_join = int(rng.integers(1, _FAULT_STEPS))
   faults: dict[str, int] = {}
   polls = 0
@@ -213,6 +216,16 @@ def run_case(plan, seed: int, feed, damage) -> dict:
           pass
     elif fault == "forge":
       forge_commit(rng, feed, publisher)
+    elif fault == "reset" and not isinstance(feed, DirectoryFeed):
+      fault = "none"  # a Ray feed's run cannot be reset from outside
+    elif fault == "reset":  # a new run on the same feed while the old trainer still runs
+      old = publisher
+      os.unlink(feed.root / "RUN")
+      publisher = Publisher(jsparse.Sender(plan, params), trainer_feed, **options)
+      history[(publisher.run, 0)] = plan.cast(params)
+      trainer_saves = [_host_copy(publisher.sender.state())]
+      with pytest.raises(FencedError, match="now belongs to run"):
+        old.publish(params)
     elif fault == "restart_rollout":
       r = rollouts[int(rng.integers(len(rollouts)))]
       if r["saves"]:
@@ -220,7 +233,7 @@ def run_case(plan, seed: int, feed, damage) -> dict:
         fresh = rollout(jsparse.Receiver.restore(plan, saved))
         r.update(sub=fresh["sub"], view=fresh["view"], lag=0)
     if step == late_join:  # joins with other bits: takes only anchors until one applies
-      other = {k: v + 1 for k, v in history[0].items()}
+      other = {k: v + 1 for k, v in initial.items()}
       rollouts.append(rollout(jsparse.Receiver(plan, other), start_with_anchor=True))
 
     params = {k: jnp.asarray(strategies.nudge_leaf(rng, np.asarray(v), 0.02))
@@ -232,7 +245,7 @@ def run_case(plan, seed: int, feed, damage) -> dict:
       assert fault == "put_fail"
       trainer_feed.fail_at = None
     if publisher.sender.version != before:  # also when the delta went in and the anchor failed
-      history[publisher.sender.version] = plan.cast(params)
+      history[(publisher.run, publisher.sender.version)] = plan.cast(params)
     if fault == "put_fail" and trainer_feed.fail_at is not None:
       trainer_feed.fail_at = None  # the version had fewer parts than the failure's index
     if rng.random() < 0.5:
@@ -248,7 +261,8 @@ def run_case(plan, seed: int, feed, damage) -> dict:
       sub.poll()
       polls += 1
       if sub.version:  # the bits it serves are the version it states, exactly
-        assert not bitwise_mismatches(sub.params, history[sub.version]), (seed, step)
+        held = (sub.receiver.run_id.hex(), sub.version)
+        assert not bitwise_mismatches(sub.params, history[held]), (seed, step)
       r["lag"] = r["lag"] + 1 if (sub.version or 0) < publisher.sender.version else 0
       r["longest"] = max(r["longest"], r["lag"])
       if rng.random() < 0.3 and sub.version:
