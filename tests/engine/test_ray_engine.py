@@ -56,7 +56,7 @@ def scenario(local_ray, tmp_path_factory):
   for _ in range(3):
     ray.get(trainer.step.remote())
     out["in_sync"] = _sync(trainer, [tp4, tp2])
-  for _ in range(5):  # tp2 lags 5 versions, past the deltas kept (3): an anchor
+  for _ in range(5):  # tp2 lags 5 versions, past keep (3): deltas kept for it (it is live)
     ray.get(trainer.step.remote())
     ray.get(tp4.poll.remote())
   out["lagged"] = _sync(trainer, [tp4, tp2])
@@ -99,15 +99,16 @@ def test_two_rollouts_with_different_meshes_stay_bit_identical(scenario):
     assert status["anchors"] == 1 and status["deltas"] == 2  # joined empty: an anchor first
 
 
-def test_a_lagging_rollout_catches_up_by_an_anchor_without_blocking_the_trainer(scenario):
+def test_a_lagging_rollout_catches_up_by_deltas_kept_for_it_without_blocking_the_trainer(
+    scenario):
   _identical(scenario["lagged"], 8)
   tp4, tp2 = scenario["lagged"][1]
   assert tp4["anchors"] == 1 and tp4["deltas"] == 7
-  assert tp2["anchors"] == 2 and tp2["deltas"] == 3  # v2, v3; the anchor of v7; v8
+  assert tp2["anchors"] == 1 and tp2["deltas"] == 7  # past keep, by the deltas kept for it
 
 
 def test_the_trainer_puts_each_part_once_for_all_rollouts(scenario):
-  want, got = scenario["lagged"]
+  want, got = scenario["in_sync"]  # both joined empty and read the same anchor, put once
   assert want["put_bytes"] < sum(s["bytes_read"] for s in got)
 
 
@@ -122,14 +123,12 @@ def test_a_restarted_trainer_publishes_an_anchor_newer_than_all_it_had(scenario)
   saved = scenario["trainer_saved"]
   # Parts whose owner died may still be served (Ray 2.60 on one node usually does) or be lost
   # (seen in about 1 run of 10 under load): the lagging rollout then stops at the last version
-  # it could apply whole, never at a half-applied one: the anchor of 13, or 11 if the parts of
-  # 12-15 are all lost.
+  # it could apply whole (by the deltas kept for it), never at a half-applied one.
   lagged_at = scenario["trainer_killed"]["version"]
-  assert saved == 11 and lagged_at in (11, 13, 15)
+  assert saved == 11 and 11 <= lagged_at <= 15
   _identical(scenario["after_trainer_restart"], 16)  # not 12 again: rollouts stay consistent
   tp4, tp2 = scenario["after_trainer_restart"][1]
-  # joined, lagged (7), lagged (13) unless lost, the restart (16)
-  assert tp2["anchors"] == (3 if lagged_at == 11 else 4)
+  assert tp2["anchors"] == 2  # joined, then the restart (16): it lagged by deltas
   assert tp4["anchors"] == 1  # counted since its own restart: the restart (16)
 
 
@@ -188,14 +187,16 @@ def test_rollouts_over_ray_stay_exact_and_catch_up_once_faults_stop(local_ray, s
 @pytest.mark.parametrize("keys", KEY_PAIRS, ids=["hmac", "ed25519"])
 def test_signed_versions_over_ray_refuse_forged_and_unsigned_commits(local_ray, keys):
   name = f"signed-{uuid.uuid4().hex[:8]}"
-  engine.RayFeed.create(name, timeout=30)
+  created = engine.RayFeed.create(name, timeout=30)  # its registry lives while this holds it
   check_signed_versions(lambda: engine.RayFeed.connect(name, timeout=30), *keys)
+  del created
 
 
 def test_a_trainer_restored_twice_over_ray_fences_its_zombie(local_ray):
   name = f"twins-{uuid.uuid4().hex[:8]}"
-  engine.RayFeed.create(name, timeout=30)
+  created = engine.RayFeed.create(name, timeout=30)  # its registry lives while this holds it
   check_twin_publishers(lambda: engine.RayFeed.connect(name, timeout=30))
+  del created
 
 
 def test_a_trainer_and_two_rollout_processes_on_ray(local_ray, tmp_path, caplog):
