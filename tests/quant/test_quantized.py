@@ -4,7 +4,10 @@ overflow, anchors, meshes, parts, streams, checkpoints, resumed senders); bad sp
 naming the leaf. The reference is always qwix's own ``quantize`` on the whole master."""
 
 import dataclasses
+import os
 import pickle
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -528,6 +531,56 @@ def test_quantized_plans_fingerprint_their_quantization():
   assert jsparse.make_plan(tree, quantize=lambda p, s: None).view is None  # nothing quantized
   again = pickle.loads(pickle.dumps(a))  # e.g. sent to another process
   assert again == a and again.fingerprint == a.fingerprint
+
+
+# A user quantizer made by a factory: equal code, its bound a captured constant.
+ABSMAX_SOURCE = """
+import jax.numpy as jnp
+
+def absmax(bound):
+  def quantize(x):
+    scale = jnp.max(jnp.abs(x), axis=0, keepdims=True) / bound
+    return jnp.round(x / scale).astype(jnp.int8), scale
+  return quantize
+"""
+
+
+def _absmax(bound):
+  namespace = {}
+  exec(ABSMAX_SOURCE, namespace)  # noqa: S102 -- the test's own source, also run in a child
+  return namespace["absmax"](bound)
+
+
+def test_user_quantizers_differing_by_a_captured_constant_are_other_plans():
+  tree = {"w": masters(9)["w"]}
+  plan, other = (jsparse.make_plan(tree, quantize=_absmax(b)) for b in (127, 7))
+  assert plan.fingerprint != other.fingerprint
+  anchor = jsparse.Sender(plan, tree).send(rl_step(tree, 0), full=True)
+  receiver = jsparse.Receiver(other, other.cast(tree))
+  before = jax.tree.map(np.asarray, receiver.params)
+  with pytest.raises(jsparse.PayloadError, match="another plan"):
+    receiver.receive(anchor)
+  assert receiver.version == 0
+  assert_trees_bitwise_equal(receiver.params, before)
+
+
+def test_a_user_quantizer_defined_again_gives_the_same_plan_in_any_process():
+  tree = {"w": masters(9)["w"]}
+  plan = jsparse.make_plan(tree, quantize=_absmax(127))
+  assert jsparse.make_plan(tree, quantize=_absmax(127)).fingerprint == plan.fingerprint
+
+  def renamed(x):  # the same computation under another name
+    scale = jnp.max(jnp.abs(x), axis=0, keepdims=True) / 127
+    return jnp.round(x / scale).astype(jnp.int8), scale
+
+  assert jsparse.make_plan(tree, quantize=renamed).fingerprint == plan.fingerprint
+  child = ABSMAX_SOURCE + (  # a restarted job: another process, other object addresses
+      "import jax, jsparse\n"
+      f"shape = jax.ShapeDtypeStruct({tree['w'].shape}, 'float32')\n"
+      "print(jsparse.make_plan({'w': shape}, quantize=absmax(127)).fingerprint.hex())\n")
+  out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                       timeout=300, check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.stdout.split()[-1] == plan.fingerprint.hex()
 
 
 def test_a_rollout_tree_of_another_structure_maps_leaf_for_leaf_with_4bit_codes_unpacked():

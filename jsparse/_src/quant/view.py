@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import marshal
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Iterator
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
@@ -82,10 +83,11 @@ class RolloutView:
     return out
 
   def description(self) -> list:
-    """What the plan's fingerprint hashes: per leaf, its quantization (a user function by its
-    module, name and a hash of its code)."""
-    return [spec if spec is None or isinstance(spec, Quantization) else _describe(spec)
-            for spec in self.specs]
+    """What the plan's fingerprint hashes: per leaf, its quantization (a user quantizer by what
+    it computes on the leaf: see :func:`program_digest`)."""
+    return [spec if spec is None or isinstance(spec, Quantization) else
+            f"quantizer#{program_digest(spec, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))}"
+            for spec, leaf in zip(self.specs, self.leaves)]
 
   @functools.cached_property
   def _nodes(self) -> list:
@@ -105,11 +107,44 @@ class RolloutView:
     return jax.tree.unflatten(self.treedef, self._nodes)
 
 
-def _describe(fn: Callable) -> str:
-  code = getattr(fn, "__code__", None)
-  digest = hashlib.blake2b(marshal.dumps(code), digest_size=8).hexdigest() if code else ""
-  return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}" \
-      f"#{digest}"
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # in the repr of a function a primitive holds
+
+
+def program_digest(fn: Callable, struct: jax.ShapeDtypeStruct) -> str:
+  """A hash of what ``fn`` computes on arrays of ``struct``'s shape and dtype: its traced
+  program (``jax.make_jaxpr``), with the bytes of every constant it holds (closed-over arrays,
+  literal values, in nested programs too). Equal in every process for equal code and constants,
+  whatever the function's name; a function a primitive holds (e.g. a host callback) enters by
+  its name only.
+
+  >>> import jax, jax.numpy as jnp
+  >>> struct = jax.ShapeDtypeStruct((4,), jnp.float32)
+  >>> scaled = lambda bound: (lambda x: (x / bound).astype(jnp.int8))
+  >>> program_digest(scaled(127), struct) == program_digest(scaled(127), struct)
+  True
+  >>> program_digest(scaled(127), struct) == program_digest(scaled(7), struct)
+  False
+  """
+  closed = jax.make_jaxpr(fn)(struct)
+  digest = hashlib.blake2b(_ADDRESS.sub("", str(closed)).encode(), digest_size=8)
+  for value in _constants(closed):
+    array = np.asarray(value)
+    digest.update(f"{array.dtype.str}{array.shape}".encode())
+    digest.update(np.ascontiguousarray(array).tobytes())
+  return digest.hexdigest()
+
+
+def _constants(program: Any) -> Iterator[Any]:
+  """The constants of a traced program and of the programs nested in its equations' params."""
+  yield from getattr(program, "consts", ())
+  body = getattr(program, "jaxpr", program)  # JAX before 0.12: a ClosedJaxpr around a Jaxpr
+  yield from (v.val for v in body.outvars if isinstance(v, jax_core.Literal))
+  for eqn in body.eqns:
+    yield from (v.val for v in eqn.invars if isinstance(v, jax_core.Literal))
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+        if isinstance(sub, (jax_core.Jaxpr, jax_core.ClosedJaxpr)):
+          yield from _constants(sub)
 
 
 def _shape_of(spec: Any, leaf: LeafSpec) -> Any:
