@@ -28,7 +28,7 @@ from typing import Sequence
 import jax
 
 import jsparse
-from jsparse._src.engine.link import ThrottledFeed, TokenBucket
+from jsparse.benchmarks._internals import ThrottledFeed, TokenBucket
 from jsparse.engine import DirectoryFeed, Publisher, Subscriber
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 import jsparse
 from jsparse import quantized
-from jsparse._src.core.bits import to_bits
+from jsparse.benchmarks._internals import to_bits
 
 def _parts(plan: jsparse.Plan, tree: Any) -> dict[str, list]:
   """The rollout tree's code arrays (4-bit unpacked) and scale arrays, each as bit patterns."""

@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jsparse
-from jsparse._src.sync import programs
-from jsparse._src.wire.payload import Coding
+from jsparse import Coding
 from jsparse.benchmarks import sync
+from jsparse.benchmarks._internals import parts_reader, programs, sender_snapshot
 from jsparse.benchmarks.fresh import in_fresh_process
 
 LEAVES_PER_LAYER = 8
@@ -383,7 +383,6 @@ def coding_rates(plan: jsparse.Plan, before, after, chunk_bytes: int = 1 << 20,
   per second to encode its parts (from the device diff's outputs, copies to the host
   included) and to decode them (checks included), best of ``repeats``."""
   import os
-  from jsparse._src.sync.parts import PartsReader
   rows = {}
   saved = os.environ.get("JSPARSE_THREADS")
   try:
@@ -394,11 +393,11 @@ def coding_rates(plan: jsparse.Plan, before, after, chunk_bytes: int = 1 << 20,
         sender = jsparse.Sender(plan, before)
         receiver = jsparse.Receiver(plan, plan.cast(before))
         stream = sender.send_stream(after, chunk_bytes=chunk_bytes)  # the device diff runs
-        jax.block_until_ready(sender._snapshot)
+        jax.block_until_ready(sender_snapshot(sender))
         start = time.perf_counter()
         parts = list(stream)
         encode = min(encode, time.perf_counter() - start)
-        reader = PartsReader(plan, receiver._flat)
+        reader = parts_reader(receiver)
         start = time.perf_counter()
         for part in parts:
           reader.add(part)

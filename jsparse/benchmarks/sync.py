@@ -35,14 +35,11 @@ import numpy as np
 import zstandard
 
 import jsparse
-from jsparse._src.core import bits as bits_lib
-from jsparse._src.core.chunks import chunks_of
-from jsparse._src.core.delta import apply_program, diff_program
-from jsparse._src.core.placement import layouts_of
-from jsparse._src.sync import packed_stage, programs, staging
-from jsparse._src.wire import framing, packed
-from jsparse._src.wire.payload import (Coding, Format, Kind, Payload, segment_host_bits,
-                                       segment_records)
+from jsparse import Coding
+from jsparse.benchmarks._internals import (Format, Kind, Payload, apply_program, bits_lib,
+                                           chunks_of, diff_program, framing, layouts_of, packed,
+                                           packed_stage, programs, segment_host_bits,
+                                           segment_records, staging)
 
 LINKS_GBIT = (0.1, 1, 10, 100)
 METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + zstd",

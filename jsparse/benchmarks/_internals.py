@@ -1,0 +1,49 @@
+"""The only place the benchmarks reach into jsparse's private modules (``jsparse._src``).
+
+The benchmarks otherwise use the public API (``jsparse``, ``jsparse.engine``,
+``jsparse.quantized``). What follows they use on purpose: they time and size one stage of a
+sync at a time (the jitted device programs of diff and apply, the host's encode and decode, the
+framing), count bit flips, and throttle a feed to a link's bandwidth. None of it is API: it may
+change with any release, and the benchmarks change with it. Everything a user does (send,
+receive, stream, publish, subscribe) goes through the public names, in the benchmarks too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Bit patterns of floats (bit-flip counts, the XOR + zstd baseline, the raw index format).
+from jsparse._src.core import bits as bits_lib
+# The device programs of diff and apply, their inputs and outputs (times and compiled memory of
+# each stage, apart from the host's).
+from jsparse._src.core.chunks import chunks_of
+from jsparse._src.core.delta import apply_program, diff_program
+from jsparse._src.core.placement import layouts_of
+from jsparse._src.sync import packed_stage, programs, staging
+from jsparse._src.sync.parts import PartsReader
+# The wire: the host's encode and decode of a payload, framing apart from the device stages.
+from jsparse._src.wire import framing, packed
+from jsparse._src.wire.payload import Format, Kind, Payload, segment_host_bits, segment_records
+# A feed throttled to a link's bandwidth (the simulated 1 and 10 Gbit/s links).
+from jsparse._src.engine.link import ThrottledFeed, TokenBucket
+
+to_bits = bits_lib.to_bits
+
+
+def parts_reader(receiver: Any) -> PartsReader:
+  """A reader of streamed parts onto ``receiver``'s leaves, as its ``receive_stream`` makes one
+  (the parts' decode timed alone, without the apply)."""
+  return PartsReader(receiver.plan, receiver._flat)  # pylint: disable=protected-access
+
+
+def sender_snapshot(sender: Any) -> Any:
+  """The sender's last synced state (what its next diff runs against)."""
+  return sender._snapshot  # pylint: disable=protected-access
+
+
+__all__ = [
+    "Format", "Kind", "PartsReader", "Payload", "ThrottledFeed", "TokenBucket", "apply_program",
+    "bits_lib", "chunks_of", "diff_program", "framing", "layouts_of", "packed", "packed_stage",
+    "parts_reader", "programs", "segment_host_bits", "segment_records", "sender_snapshot",
+    "staging", "to_bits",
+]
