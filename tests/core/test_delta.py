@@ -273,7 +273,7 @@ def test_overflow_of_a_leaf_split_into_blocks_names_its_blocks():
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = jax.make_mesh((8,), ("fsdp",))
   base = {"w": jax.device_put(jnp.zeros((64, 8)), NamedSharding(mesh, P("fsdp")))}
-  plan = jsparse.make_plan(base, capacity_slots=2)
+  plan = jsparse.make_plan(base, capacity_slots=2, bucket_size=512)  # a large leaf: capacity
   with pytest.raises(jsparse.errors.OverflowedDeltaError, match="512 changes for 8 blocks of 2 "
                      "slots.*capacity=1.0 or capacity_slots=512"):
     jsparse.apply(plan, plan.cast(base), jsparse.diff(plan, base, {"w": base["w"] + 1}))

@@ -85,6 +85,23 @@ def test_pooled_capacity_slots_apply_to_pools_only():
   assert sorted((s.size, s.capacity) for s in plan.segments) == [(20, 4), (1000, 30)]
 
 
+def test_a_small_leaf_split_over_a_mesh_takes_the_small_leaves_capacity_per_block():
+  """Not pooled (its blocks live apart), but a small leaf all the same (e.g. a weight's scales,
+  which every step moves): pooled_capacity per block; a large split leaf keeps capacity."""
+  from jsparse._src.core.delta import capacity_that_fits
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+  tree = {"small": jax.device_put(jnp.zeros(80), split),
+          "large": jax.device_put(jnp.zeros(400), split)}
+  plan = jsparse.make_plan(tree, bucket_size=100, capacity=0.1, pooled_capacity_slots=30)
+  segments = {plan.leaves[s.leaf_ids[0]].path: s for s in plan.segments}
+  assert {p: (s.blocks, s.capacity) for p, s in segments.items()} == {
+      "['small']": (2, 60), "['large']": (2, 40)}
+  small, large = (plan.segments.index(segments[p]) for p in ("['small']", "['large']"))
+  assert capacity_that_fits(plan, small, 70).startswith("pooled_capacity=")
+  assert capacity_that_fits(plan, large, 70).startswith("capacity=")
+
+
 def test_rollout_dtype_applies_to_floats_only_or_per_leaf():
   tree = {"w": jnp.zeros(4), "step": jnp.zeros((), jnp.int32), "norm": jnp.zeros(4)}
   plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16)

@@ -176,6 +176,34 @@ def test_a_rollout_that_holds_other_bits_starts_from_an_anchor(through_feed, tmp
     assert link.subscriber.stats.skipped == 0 and link.subscriber.stats.anchors == 1
 
 
+def test_a_quantized_rollout_fed_from_a_mesh_syncs_its_scales_without_overflow_warnings(
+    tmp_path, caplog):
+  """The feed link of a rollout serving int8 weights, the trainer's weights on a mesh (as Tunix
+  lays them out) and the rollout holding other bits (an anchor first). Every RL step moves every
+  per-channel scale, and a scale leaf is small: split over the mesh, it once got the large
+  leaves' capacity (5%), so the second sync (the first delta) overflowed and logged a warning.
+  It takes the small leaves' capacity now: two syncs, no warning, nothing carried densely."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jsparse import quantized
+  from jsparse._src.tunix.links import FeedLink
+
+  mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+  on_mesh = lambda w: {"w": jax.device_put(w, NamedSharding(mesh, P(None, "tp")))}  # noqa: E731
+  rng = np.random.default_rng(0)
+  master = (rng.normal(size=(256, 512)) * 0.02).astype(np.float32)  # codes: a large leaf
+  plan = jsparse.make_plan(on_mesh(master), quantize=quantized.int8_per_channel())
+  sender = jsparse.Sender(plan, on_mesh(master))
+  receiver = jsparse.Receiver(plan, plan.cast(on_mesh(master * 0.5)))
+  link = FeedLink(sender, receiver, engine.DirectoryFeed(tmp_path), anchor_first=True)
+  with caplog.at_level(logging.WARNING, "jsparse"):
+    for step in range(1, 3):
+      master = (master * (1 + 1e-4 * rng.normal(size=master.shape))).astype(np.float32)
+      assert link.sync(on_mesh(master)).version == step
+      assert_trees_bitwise_equal(receiver.params, plan.cast(on_mesh(master)))
+  assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+  assert sender.last_stats.changed > 0 and sender.last_stats.overflowed_segments == 0
+
+
 @pytest.mark.parametrize("qtype", ["float8_e4m3fn", "int8"])
 def test_a_rollout_serving_qwix_ptq_weights_holds_their_exact_codes_after_every_sync(qtype):
   """A Tunix rollout whose MLP weights are qwix PTQ-quantized (``qwix.quantize_model``): each

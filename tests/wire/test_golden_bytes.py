@@ -1,8 +1,8 @@
 """The payload bytes of a fixed update, pinned: a refactor of the code must not change the wire.
 
 Ranked, positioned and lists codings of a delta, an overflowing delta and an anchor over a tree
-with several dtypes, pooled leaves and special values, and a leaf the trainer splits. The
-bodies are those of the last commit before the redesign (686fd14, zstandard 0.25.0); the
+with several dtypes, pooled leaves and special values, and a leaf the trainer splits (a delta
+and an overflow of its blocks). The bodies are those of the last commit before the redesign (686fd14, zstandard 0.25.0); the
 headers changed twice since, deliberately: the plan fingerprint no longer covers a rollout
 layout (the plan knows none), and the digests are bound to the versions (a forged version fails
 the end-to-end check). A deliberate change of the format updates these hashes and says
@@ -33,7 +33,9 @@ GOLDEN = {
     "lists/delta": ("a55592f6aab1a8cd942890cbfd8f02f26ae44034250bc01c551d6519adb3db38", 7151),
     "lists/overflow": ("15c2dd3777d59abe29dad2b6c1887cdab86726c168d6f9510a459867a509484f", 120094),
     "lists/anchor": ("bfbf0e067ffec2db8ce0576272118c99b286e23e31cd7bedc87f1f3357ac2127", 133452),
-    "sharded/delta": ("f656315c836193d165d967dadd5e3fe4ab2b810bc4172758b272208ac0f7f4d9", 16477),
+    "sharded/overflow": ("f656315c836193d165d967dadd5e3fe4ab2b810bc4172758b272208ac0f7f4d9",
+                         16477),
+    "sharded/delta": ("35b558e62b264864c234658ee35dffd3da44794c0656081fcbf59b327cc4355f", 831),
     "packed-positioned/delta": ("6c16f77f9e70b26ce84a27e28c836a3639d01915396575300a1c6cc54a01c982",
                                 2950),
     "packed/overflow": ("9d6abba2e3b5c9a088fd7d21089396a102f3cd153e10355adaa8eaecddddb990", 120094),
@@ -44,7 +46,9 @@ GOLDEN = {
                                120094),
     "packed-positioned/anchor": ("2f77ffd9f5c84d13540b2c552d52681eb4bc630549f7f153b4ccba01120501d9",
                              133452),
-    "sharded/packed": ("6da856e71ae986954256d9304a100eb806016d1364246d940e1c7b78bbab35fe", 16453),
+    "sharded/packed-overflow": ("6da856e71ae986954256d9304a100eb806016d1364246d940e1c7b78bbab35fe",
+                                16453),
+    "sharded/packed": ("aaa503b0c15e15f2a9869d9eada76a7b7380c42048d4754486231ecd21373799", 1059),
 }
 
 
@@ -81,12 +85,16 @@ def _payloads():
   mesh = jax.make_mesh((8,), ("fsdp",))
   w = np.random.default_rng(2).normal(size=(64, 128)).astype(np.float32)
   trainer = NamedSharding(mesh, P("fsdp", None))
-  plan = jsparse.make_plan({"w": jax.device_put(w, trainer)}, rollout_dtype=jnp.bfloat16)
-  sender = jsparse.Sender(plan, {"w": jax.device_put(w, trainer)})
-  moved = w * (1 + (np.abs(w) < 0.1) * 0.01)
-  out["sharded/delta"] = sender.send({"w": jax.device_put(moved, trainer)})
-  packed = jsparse.Sender(plan, {"w": jax.device_put(w, trainer)}, coding="packed")
-  out["sharded/packed"] = packed.send({"w": jax.device_put(moved, trainer)})
+  moved = w * (1 + (np.abs(w) < 0.1) * 0.01)  # 8% of the elements
+  # A small split leaf takes pooled_capacity per block (1.0: a delta); at 0.05, the capacity it
+  # had before, the same update overflows its blocks (the bytes pinned before that change).
+  for names, options in ((("delta", "packed"), {}),
+                         (("overflow", "packed-overflow"), {"pooled_capacity": 0.05})):
+    plan = jsparse.make_plan({"w": jax.device_put(w, trainer)}, rollout_dtype=jnp.bfloat16,
+                             **options)
+    for name, coding in zip(names, ("ranked", "packed")):
+      sender = jsparse.Sender(plan, {"w": jax.device_put(w, trainer)}, coding=coding)
+      out[f"sharded/{name}"] = sender.send({"w": jax.device_put(moved, trainer)})
   return out
 
 

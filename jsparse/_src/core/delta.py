@@ -343,8 +343,7 @@ def capacity_that_fits(plan: Plan, s: int, changes: int) -> str:
   'capacity=0.06 or capacity_slots=6000'
   """
   seg = plan.segments[s]
-  option = "capacity" if seg.blocks > 1 or (not seg.pooled and seg.size >= plan.bucket_size) \
-      else "pooled_capacity"
+  option = "capacity" if not seg.pooled and seg.size >= plan.bucket_size else "pooled_capacity"
   fraction = min(1.0, math.ceil(1000 * changes / seg.size) / 1000)
   return f"{option}={fraction!r} or {option}_slots={changes}"
 

@@ -450,7 +450,8 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
     capacity: static slots per unpooled segment (one large leaf; for a leaf split over a mesh,
       per block), as a fraction of its elements in (0, 1] (default 0.05). An ``int`` here is
       refused: a count is ``capacity_slots``. Updates denser than this overflow and are carried
-      densely.
+      densely. A leaf smaller than ``bucket_size`` split over a mesh is not pooled (its blocks
+      live apart) but takes ``pooled_capacity`` per block, as a small leaf does.
     capacity_slots: instead of ``capacity``, the number of slots per unpooled segment (or
       block), an ``int >= 1`` (a segment never gets more slots than it has elements).
     pooled_capacity, pooled_capacity_slots: the same for segments that pool small leaves
@@ -544,9 +545,10 @@ def _segments(leaves: Sequence[LeafSpec], capacity: _Capacity, pooled_capacity: 
     if leaf.size == 0:
       continue
     dtype = leaf.rollout_dtype
-    if leaf.layout is not None:  # sharded: never pooled, a capacity per block
-      blocks = leaf.layout.blocks
-      per_block = capacity.of(leaf.size // blocks)
+    if leaf.layout is not None:  # sharded: never pooled, a capacity per block; a small leaf's
+      blocks = leaf.layout.blocks  # as a pool's (it changes as often: e.g. a weight's scales)
+      per_block = (capacity if leaf.size >= bucket_size else pooled_capacity).of(
+          leaf.size // blocks)
       segments.append(Segment((leaf_id,), (0,), leaf.size, per_block * blocks, dtype, blocks))
       continue
     if leaf.size >= bucket_size:
