@@ -17,7 +17,8 @@ against dense quantized weights and bf16 sparse, and sync times (``--only quanti
 ``jsparse[quantized]``).
 
 ``--quick`` is a reduced run (a small TinyLM, fewer steps and repeats, small leaf counts and
-scaling points, no Tunix part) that finishes in a couple of minutes on a laptop-class CPU.
+scaling points, two quantized presets, no Tunix part) that finishes in about two minutes on a
+2-core CPU.
 ``--json FILE`` writes every table's data and a ``machine`` record; ``--plots DIR`` draws the
 figures (needs matplotlib). Progress goes to stderr, the tables to stdout.
 """
@@ -44,7 +45,7 @@ FULL = dict(dim=512, depth=6, vocab=8192, steps=8, pretrain_steps=300, repeats=5
 QUICK = dict(dim=128, depth=1, vocab=1024, steps=4, pretrain_steps=30, repeats=2,
              leaf_counts=[8], threads=[1, 2], scale_params=[3_000_000, 6_000_000],
              scale_width=512, scale_stages=False, device_params=3_000_000,
-             host_rate_params=250_000_000)
+             host_rate_params=0)
 PARTS = ("sync", "storage", "link", "scale", "memory", "quantized", "tunix", "device")
 SCHEMA = 1  # the JSON file's layout version
 
@@ -70,7 +71,7 @@ def _parser(defaults: dict = FULL) -> argparse.ArgumentParser:
   add = parser.add_argument
   add("--quick", action="store_true",
       help="a reduced run: small model, few steps and repeats, small leaf counts and scaling "
-           "points, no Tunix part")
+           "points, two quantized presets, no Tunix part")
   add("--only", choices=PARTS,
       help="run one part only (default: all of them but device, the prepared accelerator "
            "check: see jsparse.benchmarks.device)")
@@ -99,7 +100,7 @@ def _parser(defaults: dict = FULL) -> argparse.ArgumentParser:
       help="layer width of the scaling table's trees")
   add("--host-rate-params", type=int, default=defaults["host_rate_params"],
       help="parameters of the tree whose payload times the packed coding's host stages per "
-           "byte for the estimate")
+           "byte for the estimate (0: the workload's own step)")
   add("--scale-stages", action=argparse.BooleanOptionalAction, default=defaults["scale_stages"],
       help="time the four stages of a sync and their floors at every size of the scaling table")
   return parser
@@ -293,7 +294,10 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
       storage.print_storage(plan, results["storage"])
   if args.only in (None, "scale"):
     with table("host_rate"):
-      results["packed_host_rate"] = scale.packed_host_rate(args.host_rate_params, args.repeats)
+      step = results["sync"]["step"]
+      results["packed_host_rate"] = (  # 0: on the workload's step (its programs are compiled)
+          scale.packed_host_rate(args.host_rate_params, args.repeats) if args.host_rate_params
+          else scale.packed_host_rate_of(plan, states[step - 1], states[step], args.repeats))
       scale.print_packed_host_rate(results["packed_host_rate"])
     with table("estimate"):
       compact, core = results["sync"]["methods"][sync.METHODS[4]], results["sync"]["core"]
@@ -338,7 +342,9 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
     with table("quantized"):
       step = (results["sync"]["step"] if "sync" in results
               else sync.one_percent_step(sync.per_step_sizes(plan, states)))
-      results["quantized"] = quantized.preset_rows(states, step, repeats=args.repeats)
+      results["quantized"] = quantized.preset_rows(
+          states, step, repeats=args.repeats,
+          presets=quantized.QUICK_PRESETS if args.quick else None)
       quantized.print_presets(results["quantized"])
   if args.only is None and not args.quick:
     with table("tunix"):

@@ -19,6 +19,10 @@ import jsparse
 from jsparse import quantized
 from jsparse.benchmarks._internals import to_bits
 
+# What --quick runs: an 8-bit and a 4-bit preset (packed codes).
+QUICK_PRESETS = ("fp8 128x128 tiles", "mxfp4")
+
+
 def _parts(plan: jsparse.Plan, tree: Any) -> dict[str, list]:
   """The rollout tree's code arrays (4-bit unpacked) and scale arrays, each as bit patterns."""
   held = quantized.unpack(plan.cast(tree))

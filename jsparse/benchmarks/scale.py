@@ -278,11 +278,16 @@ def large_step(params: int, seed: int = 0) -> tuple[jsparse.Plan, dict, dict]:
 
 def packed_host_rate(params: int = 250_000_000, repeats: int = 3) -> dict:
   """The packed coding's host stages on a payload of megabytes, where the bytes outweigh the
-  fixed costs of a sync: a :func:`large_step` of ``params`` parameters, its payload's
+  fixed costs of a sync: :func:`packed_host_rate_of` a :func:`large_step` of ``params``
+  parameters."""
+  return packed_host_rate_of(*large_step(params), repeats)
+
+
+def packed_host_rate_of(plan: jsparse.Plan, before, after, repeats: int = 3) -> dict:
+  """The packed coding's host stages on the update ``before`` -> ``after``: its payload's
   ``bytes``, ``host_encode`` and ``host_decode`` seconds (best of ``repeats``) and
   ``per_byte``, their sum per payload byte; ``bytes_floor``: seconds to move and checksum the
   payload's bytes (:func:`~jsparse.benchmarks.sync.bytes_floor`)."""
-  plan, before, after = large_step(params)
   sender = jsparse.Sender(plan, before, coding="packed")
   data = sender.send(after)
   rollout = jax.tree.leaves(plan.cast(before))  # the receiver's leaves
