@@ -219,13 +219,16 @@ def packed_body(plan: Plan, changes: DeviceChanges, snapshot: list, full: bool,
   return collect_body(plan, pack_chunks(plan, changes, full, ranked), changes, snapshot)
 
 
-def on_device(streams: Sequence[tuple | None], device) -> tuple[jax.Array, list]:
-  """Streams laid in one ``uint32`` buffer (``device_codes.aligned_streams``) of one of a
-  few sizes (:func:`copy_size`: zeros after them, so that the programs that read it compile
-  once per doubling), on ``device``; and each stream's word offsets."""
-  words = sum(-(-np.asarray(a).nbytes // 4) for stream in streams for a in stream or ())
-  data, offsets = device_codes.aligned_streams(streams, copy_size(words))
-  return jax.device_put(data, device), offsets
+def stream_words(streams: tuple) -> int:
+  """The words a chunk's (or unit's) streams fill, each array from a word."""
+  return sum(-(-np.asarray(a).nbytes // 4) for a in streams)
+
+
+def check_fits(streams: tuple, words: int, what: str) -> None:
+  """Raises :class:`PayloadError` unless ``streams`` fit in ``words`` words (what the
+  streams of the changes they state fill at most)."""
+  if stream_words(streams) > words:
+    raise PayloadError(f"{what} of a packed payload: streams longer than its {words} words")
 
 
 def chunk_words(plan: Plan, slots: Sequence[int]) -> int:
@@ -281,9 +284,7 @@ def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
                               (level, needed, body.streams[k] is not None)))
     if body.streams[k] is not None:
       words = chunk_words(c.plan, slots)
-      if sum(-(-np.asarray(a).nbytes // 4) for a in body.streams[k]) > words:
-        raise PayloadError(f"chunk {k} of a packed payload: streams longer than its "
-                           f"{words} words")
+      check_fits(body.streams[k], words, f"chunk {k}")
       buffers.append((k, *device_codes.aligned_streams([body.streams[k]], words)))
   placed = jax.device_put([data for _, data, _ in buffers],
                           [staged[k].device for k, _, _ in buffers])

@@ -32,11 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse._src.core.chunks import sub_plan
+from jsparse._src.core.chunks import chunks_of, sub_plan
 from jsparse._src.core.plan import Plan
 from jsparse._src.core.units import (Unit, block_coords, block_slots, leaf_positions,
                                      split_geometry, unit_slot)
-from jsparse._src.sync.packed_stage import on_device, used_streams
+from jsparse._src.sync import programs
+from jsparse._src.sync.packed_stage import check_fits, chunk_words, used_streams
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
 from jsparse._src.wire import device_codes
@@ -107,6 +108,11 @@ class _Launched:
     return PackedRecord(self.mode, self.count, used_streams(self.outputs, self.count, self.codes))
 
 
+def _by_rank(plan: Plan, unit: Unit, ranked: bool) -> bool:
+  """Whether ``unit`` is coded by rank (else by position)."""
+  return ranked and plan.segments[unit.segment].ordered
+
+
 def _launch(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
             counts: np.ndarray) -> _Launched | None:
   """Dispatches ``unit``'s pack program (None: the unit has no change); ``counts``: its changes
@@ -116,7 +122,7 @@ def _launch(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
   if not count:
     return None
   delta = changes.delta
-  by_rank = ranked and seg.ordered
+  by_rank = _by_rank(plan, unit, ranked)
   if seg.blocks == 1:
     keys = changes.ranks[s] if by_rank else delta.indices[s]
     inputs = [_single_device(x) for x in (keys, delta.values[s], changes.old_values[s])]
@@ -137,15 +143,75 @@ def _launch(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
   return _Launched(mode, count, codes, outputs)
 
 
+def _pack_job(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool, level: int
+              ) -> Callable[[], None]:
+  """What compiles what :func:`_launch` runs for ``unit`` when the diff's slots are at slot
+  ``level`` (``programs.SlotLevels``), with the shapes and shardings of ``changes`` (taken
+  now: the job holds no array). A split leaf's unit keeps all its slots at every level."""
+  s, seg = unit.segment, plan.segments[unit.segment]
+  delta, by_rank = changes.delta, _by_rank(plan, unit, ranked)
+  columns = (changes.ranks[s] if by_rank else delta.indices[s], delta.values[s],
+             changes.old_values[s])
+  if seg.blocks == 1:
+    device = next(iter(_single_device(columns[0]).devices()))
+    shape = (programs.level_slots(plan, (s,), level)[0],)
+  else:
+    per_block = seg.capacity // seg.blocks
+    shards = [block_slots(x, per_block, unit.blocks) for x in columns]
+    device = next(iter(shards[0][0].devices()))
+    shape = (per_block * len(unit.blocks),)
+  on = jax.sharding.SingleDeviceSharding(device)
+  placed = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on)
+  inputs = [placed(shape, x.dtype) for x in columns]
+  gather = None if seg.blocks == 1 else (
+      [[placed(b.shape, b.dtype) for b in column] for column in shards],
+      placed((len(unit.blocks),), jnp.int32))
+
+  def job() -> None:
+    if gather is not None:
+      _unit_changes.lower(*split_geometry(plan, unit)[:2], *gather[0], gather[1]).compile()
+    device_codes.pack_program.lower(unit_plan(plan, unit), by_rank, *((x,) for x in inputs),
+                                    jax.ShapeDtypeStruct((1,), jnp.int32), (None,)).compile()
+  return job
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_of(plan: Plan) -> dict[int, int]:
+  """Each segment's chunk (its index in ``chunks_of``)."""
+  return {s: k for k, c in enumerate(chunks_of(plan)) for s in c.segment_ids}
+
+
+def _pack_requests(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
+                   launched: bool) -> list:
+  """The slot levels of ``unit``'s pack programs to compile in the background
+  (``programs.SlotLevels``): those its chunk needs and level 0, and the one it ran at if it
+  had no change (so none was compiled). Its programs are a config of the chunk's family: a
+  level serves once they are compiled for it too."""
+  if not changes.levels:
+    return []
+  family, level, needed = changes.levels[_chunk_of(plan)[unit.segment]]
+  config = ("pack-unit", ranked, unit)
+  if launched:
+    programs.SLOT_LEVELS.ran(family, level, config)
+  return [(family, wanted, _pack_job(plan, unit, changes, ranked, wanted), config)
+          for wanted in sorted({needed, 0, level} - ({level} if launched else set()))
+          if programs.SLOT_LEVELS.wanted(family, wanted, config)]
+
+
 def unit_records(plan: Plan, ranked: bool, units: Sequence[Unit],
                  counts: Sequence[np.ndarray | None], changes: DeviceChanges,
                  dense: Callable[[Unit], SegmentPayload]) -> list:
   """The packed records of ``units`` (owned by this process) of a delta's ``changes``, with
   their ``counts`` (:func:`~jsparse._src.core.units.unit_counts`): a :class:`PackedRecord` per
   unit with changes, ``dense(unit)`` for a unit that overflowed, an empty record for a unit
-  without changes. ``ranked``: ordered segments by rank."""
+  without changes. ``ranked``: ordered segments by rank. The levels of the units' programs
+  that a later step may run are compiled in the background (:func:`_pack_requests`)."""
   launched = [None if c is None else _launch(plan, unit, changes, ranked, c)
               for unit, c in zip(units, counts)]
+  requests = [request for unit, c, out in zip(units, counts, launched) if c is not None
+              for request in _pack_requests(plan, unit, changes, ranked, out is not None)]
+  for request in requests:  # once this call's programs are dispatched
+    programs.SLOT_LEVELS.request(*request)
   records = []
   for unit, c, out in zip(units, counts, launched):
     if c is None:
@@ -157,21 +223,91 @@ def unit_records(plan: Plan, ranked: bool, units: Sequence[Unit],
   return records
 
 
+def _unpack_family(plan: Plan, unit: Unit, device) -> tuple:
+  """The key in ``programs.SLOT_LEVELS`` of a unit's unpacking on ``device``: its structure
+  (its levels size the buffer its streams come in)."""
+  return ("unpack-unit", unit_plan(plan, unit), split_geometry(plan, unit), device)
+
+
+def _unit_words(plan: Plan, unit: Unit, level: int) -> int:
+  """The words of a unit's streams buffer on a receiver at slot ``level``: what the streams
+  of any changes in those slots fill (its shape follows the level only)."""
+  uplan = unit_plan(plan, unit)
+  return chunk_words(uplan, programs.level_slots(uplan, (0,), level))
+
+
+def _unpacked(plan: Plan, unit: Unit, data: jax.Array, offsets: Sequence[int], count: int
+              ) -> tuple:
+  """``unit``'s keys (the segment's positions, in the unit's capacity of slots), ulp codes
+  and flag, unpacked from its streams ``data`` at word ``offsets`` on ``data``'s device."""
+  uplan = unit_plan(plan, unit)
+  (keys,), (values,), ok = device_codes.unpack_program(
+      uplan, (uplan.segments[0].capacity,), data, np.asarray(offsets, np.int32),
+      np.array([count], np.int32), (None,))
+  if plan.segments[unit.segment].blocks > 1:
+    keys = _segment_positions(*split_geometry(plan, unit), keys,
+                              np.asarray(unit.blocks, np.int32))
+  return keys, values, ok
+
+
+def _unpack_job(plan: Plan, unit: Unit, device, level: int) -> Callable[[], None]:
+  """What compiles :func:`_unpacked` for ``unit`` on ``device`` with its streams in a buffer
+  of slot ``level``."""
+  uplan = unit_plan(plan, unit)
+  slots, on = uplan.segments[0].capacity, jax.sharding.SingleDeviceSharding(device)
+  words = jax.ShapeDtypeStruct((_unit_words(plan, unit, level),), jnp.uint32, sharding=on)
+  int32 = lambda n, sharding=None: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding)
+
+  def job() -> None:
+    with jax.default_device(device):
+      device_codes.unpack_program.lower(uplan, (slots,), words, int32(4), int32(1),
+                                        (None,)).compile()
+      if plan.segments[unit.segment].blocks > 1:
+        _segment_positions.lower(*split_geometry(plan, unit), int32(slots, on),
+                                 int32(len(unit.blocks))).compile()
+  return job
+
+
+def request_unpacking(plan: Plan, unit: Unit, device, levels: Sequence[int]) -> None:
+  """Compiles the unpacking of ``unit`` on ``device`` at those of ``levels`` neither compiled
+  nor compiling, in the background (``programs.SlotLevels``): for a unit without changes in
+  this version, the fallback level 0."""
+  family = _unpack_family(plan, unit, device)
+  for level in sorted(set(levels)):
+    programs.SLOT_LEVELS.request(family, level, _unpack_job(plan, unit, device, level))
+
+
+def expect_unit(plan: Plan, unit: Unit, staged: StagedRecords) -> None:
+  """For a sparse unit without changes in a delta (empty, or dense): what unpacks and stages
+  its changes in a later version is compiled ahead, in the background (its fallback level)."""
+  device = staged.device(unit.segment)
+  staged.expect_device(unit.segment, unit_plan(plan, unit).segments[0].capacity)
+  request_unpacking(plan, unit, device, [0])
+
+
 def stage_unit(plan: Plan, unit: Unit, record: PackedRecord, staged: StagedRecords
                ) -> jax.Array:
   """Unpacks a sparse unit's record on the device ``staged`` holds its segment on and stages
   its changes there; returns the device's flag that every key and code is well formed (read it
-  before applying anything)."""
+  before applying anything). Its streams go to the device in a buffer sized by the slot level
+  of its changes (``programs.SlotLevels``, as a whole payload's chunks: no version after the
+  first compiles), not by their bytes.
+
+  Raises:
+    PayloadError: streams longer than its changes fill.
+  """
   uplan = unit_plan(plan, unit)
-  slots = uplan.segments[0].capacity
   device = staged.device(unit.segment)
-  data, (offsets,) = on_device([record.streams], device)
+  family = _unpack_family(plan, unit, device)
+  needed = programs.needed_level(uplan, (0,), [record.count])
+  level = programs.SLOT_LEVELS.choose(family, needed)
+  words = _unit_words(plan, unit, level)
+  check_fits(record.streams, words, f"{plan.describe_segment(unit.segment)}'s unit")
+  data, (offsets,) = device_codes.aligned_streams([record.streams], words)
   with jax.default_device(device):
-    (keys,), (values,), ok = device_codes.unpack_program(
-        uplan, (slots,), data, np.asarray(offsets, np.int32), np.array([record.count], np.int32),
-        (None,))
-    if plan.segments[unit.segment].blocks > 1:
-      keys = _segment_positions(*split_geometry(plan, unit), keys,
-                                np.asarray(unit.blocks, np.int32))
+    keys, values, ok = _unpacked(plan, unit, jax.device_put(data, device), offsets,
+                                 record.count)
+  programs.SLOT_LEVELS.ran(family, level)
+  request_unpacking(plan, unit, device, [needed, 0])
   staged.add_device(unit.segment, keys, values, record.count)
   return ok

@@ -37,8 +37,8 @@ from jsparse._src.sync.staging import StagedRecords
 from jsparse._src.threads import parallel_map
 from jsparse._src.wire.packed import PackedRecord
 from jsparse._src.wire.parts import PartHeader, PartIndex, read_index, read_unit
-from jsparse._src.wire.payload import (Coding, Format, Mode, SegmentPayload, segment_host_bits,
-                                       sparse_record)
+from jsparse._src.wire.payload import (Coding, Format, Kind, Mode, SegmentPayload,
+                                       segment_host_bits, sparse_record)
 
 
 def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: DeviceChanges,
@@ -184,6 +184,9 @@ class PartsReader:
   def _read(self, index: PartIndex, data, i: int) -> tuple[Unit, SegmentPayload] | None:
     """Decodes unit ``i``: a dense record is returned, a sparse one staged."""
     unit, record = index.entries[i].unit, read_unit(self.plan, index, data, i)
+    if index.header.format == Format.PACKED and index.header.kind == Kind.DELTA \
+        and not isinstance(record, PackedRecord):  # none to unpack in this version
+      packed_units.expect_unit(self.plan, unit, self._staged)
     if record.mode == Mode.DENSE:
       return unit, record
     if isinstance(record, PackedRecord):

@@ -88,7 +88,8 @@ class ReceiverInputs(NamedTuple):
     compile_staging: ``(chunk, slots) -> None`` compiles the programs that stage the slots of
       chunk ``chunk`` (its index in ``chunks_of``) for its segments' ``slots`` (run on the
       background thread of :class:`SlotLevels`), or None.
-    staging: which stage made them (``"records"``: ``staging.py``; ``"packed"``:
+    staging: which stage made them (``"records"``: ``staging.py`` from the host; ``"units"``:
+      ``staging.py`` from the units of packed parts, unpacked on the device; ``"packed"``:
       ``packed_stage.py``): their programs are compiled for each.
   """
 

@@ -84,37 +84,47 @@ def _device_owned(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Ar
   return jnp.copy(keys), jnp.copy(values)
 
 
-_COMPILED: set[tuple] = set()  # (slots, dtype, block, device) whose programs are compiled
+# How a segment's staged blocks come: ``(changes per block, whether the block is committed to
+# the staging device)``: blocks the host staged (:meth:`StagedRecords.add`) are not; those
+# unpacked on the device (:meth:`StagedRecords.add_device`) are, of their unit's size.
+BlockKind = tuple[int, bool]
+_COMPILED: set[tuple] = set()  # (slots, dtype, block kind, device) whose programs are compiled
 
 
-def compile_slots(plan: Plan, devices: Sequence, segment: int, slots: int) -> None:
+def compile_slots(plan: Plan, devices: Sequence, segment: int, slots: int,
+                  kinds: Iterable[BlockKind] | None = None) -> None:
   """Compiles the staging's programs for ``slots`` slots of ``segment`` (staged on
-  ``devices[segment]``), whether the segment has changes or not: at a version's first sight
-  of those slots, or ahead of the version that needs them (``programs.SlotLevels``)."""
+  ``devices[segment]``) and blocks of each of ``kinds`` (default: the host's blocks), whether
+  the segment has changes or not: at a version's first sight of those slots, or ahead of the
+  version that needs them (``programs.SlotLevels``)."""
   seg = plan.segments[segment]
-  block, device = block_size(seg), devices[segment]
-  key = (slots, seg.bit_dtype, block, device)
-  if key in _COMPILED:
-    return
-  dtype, fill = jax.dtypes.canonicalize_dtype(seg.bit_dtype), np.int32(0)
-  block_keys = jax.ShapeDtypeStruct((block,), jnp.int32)  # uncommitted, as the staged blocks
-  block_values = jax.ShapeDtypeStruct((block,), dtype)
-  with jax.default_device(device):
-    _device_owned.lower(block_keys, block_values).compile()
-    empty_slots.lower(slots, seg.bit_dtype, fill).compile()
-    _slots_with_block.lower(slots, fill, block_keys, block_values, fill).compile()
-    _write_block.lower(jax.ShapeDtypeStruct((slots,), jnp.int32),
-                       jax.ShapeDtypeStruct((slots,), dtype), block_keys, block_values, fill,
-                       fill).compile()
-  _COMPILED.add(key)
+  device, dtype = devices[segment], jax.dtypes.canonicalize_dtype(seg.bit_dtype)
+  fill = np.int32(0)
+  for block, committed in ((block_size(seg), False),) if kinds is None else kinds:
+    key = (slots, seg.bit_dtype, (block, committed), device)
+    if key in _COMPILED:
+      continue
+    on = jax.sharding.SingleDeviceSharding(device) if committed else None
+    block_keys = jax.ShapeDtypeStruct((block,), jnp.int32, sharding=on)
+    block_values = jax.ShapeDtypeStruct((block,), dtype, sharding=on)
+    with jax.default_device(device):
+      if not committed:
+        _device_owned.lower(block_keys, block_values).compile()
+      empty_slots.lower(slots, seg.bit_dtype, fill).compile()
+      _slots_with_block.lower(slots, fill, block_keys, block_values, fill).compile()
+      _write_block.lower(jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=on),
+                         jax.ShapeDtypeStruct((slots,), dtype, sharding=on), block_keys,
+                         block_values, fill, fill).compile()
+    _COMPILED.add(key)
 
 
-def compile_chunk_slots(plan: Plan, devices: Sequence, chunk: int, slots: Sequence[int]
-                        ) -> None:
+def compile_chunk_slots(plan: Plan, devices: Sequence, kinds: Sequence, chunk: int,
+                        slots: Sequence[int]) -> None:
   """:func:`compile_slots` for each segment of ``chunk`` (its index in ``chunks_of``) at its
-  ``slots``: the ``compile_staging`` of :class:`~programs.ReceiverInputs`."""
+  ``slots``, for its blocks' ``kinds`` (per segment of the plan): the ``compile_staging`` of
+  :class:`~programs.ReceiverInputs`."""
   for s, n in zip(chunks_of(plan)[chunk].segment_ids, slots):
-    compile_slots(plan, devices, s, n)
+    compile_slots(plan, devices, s, n, kinds[s])
 
 
 def staging_device(sharding) -> jax.Device:
@@ -158,6 +168,7 @@ class StagedRecords:
     # Where a segment's blocks are staged and its slots filled: a device of this process.
     self._devices = [staging_device(sharding) for sharding in self._shardings]
     self._blocks: list[list[tuple]] = [[] for _ in plan.segments]
+    self._kinds: list[set[BlockKind]] = [set() for _ in plan.segments]  # of the blocks staged
     self._counts = np.zeros(len(plan.segments), np.int64)
     self._lock = threading.Lock()
 
@@ -178,6 +189,7 @@ class StagedRecords:
         blocks.append((*_device_owned(block_keys, block_values), count))
     jax.block_until_ready(blocks)  # then the host arrays are free
     with self._lock:
+      self._kinds[segment].add((size, False))
       self._blocks[segment] += blocks
       self._counts[segment] += len(keys)
 
@@ -189,8 +201,21 @@ class StagedRecords:
     """Stages the first ``count`` changes of ``segment`` held on :meth:`device` already (e.g.
     unpacked there): keys and values as :meth:`add` takes them."""
     with self._lock:
+      self._kinds[segment].add((keys.shape[0], True))
       self._blocks[segment].append((keys, values, count))
       self._counts[segment] += count
+
+  def expect_device(self, segment: int, block: int) -> None:
+    """Notes that :meth:`add_device` may stage blocks of ``block`` changes of ``segment`` in a
+    later version (one without changes in this one), so that the staging's programs for them
+    are compiled ahead with this version's slot levels."""
+    with self._lock:
+      self._kinds[segment].add((block, True))
+
+  def _block_kinds(self) -> tuple[tuple[BlockKind, ...], ...]:
+    """Per segment, the kinds of its blocks (the host's, if none was staged)."""
+    return tuple(tuple(sorted(kinds)) or ((block_size(seg), False),)
+                 for kinds, seg in zip(self._kinds, self.plan.segments))
 
   def inputs(self, *, ranked: Sequence[bool], coded: bool, slot_counts=None) -> ReceiverInputs:
     """The :class:`~programs.ReceiverInputs` of the staged records, on the devices. Slots are
@@ -208,10 +233,11 @@ class StagedRecords:
       for s, n in zip(c.segment_ids, programs.level_slots(self.plan, c.segment_ids,
                                                           levels[-1][0])):
         slots[s] = n
-    keys, values = [], []
+    keys, values, kinds = [], [], self._block_kinds()
     for s, (seg, n) in enumerate(zip(self.plan.segments, slots)):
-      compile_slots(self.plan, self._devices, s, n)  # all of them, the first time: a later
-      # version may have changes where this one has none (or more blocks)
+      # All of them, the first time: a later version may have changes where this one has none
+      # (or more blocks).
+      compile_slots(self.plan, self._devices, s, n, kinds[s])
       with jax.default_device(self._devices[s]):  # the staged blocks' device
         fill, blocks = np.int32(seg.size), self._blocks[s]
         if blocks:
@@ -231,7 +257,8 @@ class StagedRecords:
     return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), counts,
                           tuple(ranked), coded, tuple(levels),
                           functools.partial(compile_chunk_slots, self.plan,
-                                            tuple(self._devices)))
+                                            tuple(self._devices), kinds),
+                          "units" if any(c for k in kinds for _, c in k) else "records")
 
 
 def stage_records(plan: Plan, flat: Sequence[jax.Array], records: Iterable[SegmentPayload]
