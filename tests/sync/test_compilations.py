@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jsparse
 from jsparse.testing import assert_trees_bitwise_equal
@@ -169,3 +170,37 @@ def test_no_sync_after_the_first_compiles_on_a_model_like_tree(coding):
     assert programs.wait_for_slot_levels(timeout=600)
   assert all(not c for c in compiled[1:]), f"compiled after the first sync: {compiled[1:]}"
   assert densities[1] > 2 * densities[0] > 8 * densities[2], densities
+
+
+def _on_fsdp8(tree: dict) -> dict:
+  """``tree`` on 8 devices, its matrices split into blocks along one axis (as FSDP holds
+  them), the rest replicated."""
+  mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8])
+  specs = {"embed": P("fsdp", None), "up": P(None, "fsdp"), "down": P("fsdp", None)}
+  return {k: jax.device_put(v, NamedSharding(mesh, specs.get(k, P()))) for k, v in tree.items()}
+
+
+@pytest.mark.parametrize("coding, placed", [(c, None) for c in jsparse.Coding] + [
+    ("ranked", _on_fsdp8), ("packed", _on_fsdp8)], ids=lambda x: getattr(x, "value", x) or (
+        "fsdp8" if x else "single"))
+def test_no_stream_after_the_first_compiles_on_a_model_like_tree(coding, placed):
+  """As above, for versions streamed in parts (``Sender.send_stream``, ``Receiver.open_stream``:
+  a packed coding packs and unpacks each unit of a part on its own), on one device and with
+  the matrices split over a mesh (the parts' units are blocks)."""
+  rng = np.random.default_rng(6)
+  placed = placed or (lambda tree: tree)
+  params = placed({k: jnp.asarray(v) for k, v in _model_tree(rng, 120).items()})
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  sender = jsparse.Sender(plan, params, coding=coding)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  compiled, densities = [], []
+  for density in (0.01, 0.04, 0.0005, 0.01):
+    params = placed(_model_step(rng, params, density))
+    before = len(_SYNC_COMPILES)
+    assert_trees_bitwise_equal(_streamed(sender, receiver, params), plan.cast(params))
+    compiled.append(_SYNC_COMPILES[before:])
+    densities.append(sender.last_stats.density)
+    assert programs.wait_for_slot_levels(timeout=600)
+  assert all(not c for c in compiled[1:]), f"compiled after the first sync: {compiled[1:]}"
+  assert densities[1] > 2 * densities[0] > 8 * densities[2], densities
+  assert receiver.last_read.parts > 1
