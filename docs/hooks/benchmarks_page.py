@@ -238,6 +238,14 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
         ["link"] + [f"{k} ms" for k in kinds],
         [[f"{_gbit(g)} Gbit/s"] + [_ms(x[k]) for k in kinds] for g, x in stream.items()])
 
+  if "lagging" in r:
+    lagging = r["lagging"]
+    v["lagging_table"] = lambda: _rows(
+        ["retention", "versions behind", "bytes it reads", "anchors", "deltas",
+         "bytes the feed holds"],
+        [[name, str(x["lag"]), _n(x["bytes_read"]), str(x["anchors"]), str(x["deltas"]),
+          _n(x["feed_bytes"])] for name, x in lagging.items()])
+
   if "tunix" in r:
     t = r["tunix"]
     records = t["records"]

@@ -177,7 +177,7 @@ def _tables(args: argparse.Namespace) -> list[str]:
   if only in (None, "sync", "scale"):
     names += ["sync", "codings"]
   if only in (None, "link"):
-    names += ["link", "stream"]
+    names += ["link", "stream", "lagging"]
   if only in (None, "storage"):
     names.append("storage")
   if only in (None, "scale"):
@@ -288,6 +288,9 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
     with table("stream"):
       results["stream"] = link.stream_times(plan, states)
       link.print_stream_times(results["stream"])
+    with table("lagging"):
+      results["lagging"] = link.lagging_rollout(plan, states)
+      link.print_lagging_rollout(results["lagging"])
   if args.only in (None, "storage"):
     with table("storage"):
       results["storage"] = storage.compare_storage(plan, states)
