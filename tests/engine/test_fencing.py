@@ -8,7 +8,6 @@ import os
 import shutil
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jsparse
@@ -17,16 +16,11 @@ from jsparse._src.engine.records import commit_record, part_meta
 from jsparse.engine import (DirectoryFeed, Ed25519Key, Entry, FencedError, HmacKey,
                             ObjectStoreFeed, PartsLostError, Publisher, Subscriber)
 from jsparse.testing import assert_trees_bitwise_equal
-from tests import strategies
+from tests.engine.fleet_states import nudged_states
 
 
 def _states(count, seed=0):
-  rng = np.random.default_rng(seed)
-  states = [{"w": rng.normal(size=2048).astype(np.float32),
-             "b": rng.normal(size=64).astype(np.float32)}]
-  for _ in range(count):
-    states.append({k: strategies.nudge_leaf(rng, v, 0.02) for k, v in states[-1].items()})
-  return [{k: jnp.asarray(v) for k, v in s.items()} for s in states]
+  return nudged_states(count, seed, size=2048)
 
 
 _PAIR = Ed25519Key.generate()

@@ -23,7 +23,6 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 import jsparse
-from jsparse import engine
 from jsparse._src.engine.ledger import Ledger
 from jsparse._src.engine.records import commit_record, part_meta, read_commit
 from jsparse.engine import Entry, ObjectStoreFeed, PartsLostError, Publisher, Subscriber
