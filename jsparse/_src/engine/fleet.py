@@ -45,6 +45,10 @@ class RolloutInfo:
     generation: the newest trainer generation it knows.
     applied: how many versions it applied so far.
     gone: not seen for ``gone_seconds``: it holds nothing back.
+
+  >>> row = RolloutInfo("r1", 7, True, 1, 0.2, 0.05, None, None, 1, 7, gone=False)
+  >>> row.live, row.lag_versions
+  (True, 1)
   """
 
   rollout: str

@@ -43,6 +43,10 @@ class HmacKey:
 
   Args:
     secret: the shared secret (``bytes``; e.g. 32 random bytes kept in a secret manager).
+
+  >>> key = HmacKey(b"0123456789abcdef")
+  >>> key.verify(b"a commit", key.sign(b"a commit")), key.can_sign
+  (True, True)
   """
 
   algorithm = "hmac-sha256"
@@ -74,6 +78,11 @@ class Ed25519Key:
     private_key: the 32 raw bytes of the private key, or a ``cryptography`` ``Ed25519PrivateKey``.
     public_key: the 32 raw bytes of the public key, or an ``Ed25519PublicKey`` (derived from the
       private key when that is given).
+
+  >>> trainer = Ed25519Key.generate()  # its private key stays with the trainer
+  >>> rollout = Ed25519Key(public_key=trainer.public_bytes())
+  >>> rollout.verify(b"a commit", trainer.sign(b"a commit")), rollout.key_id == trainer.key_id
+  (True, True)
   """
 
   algorithm = "ed25519"

@@ -58,6 +58,9 @@ class Weights:
     digest: the digest of the rollout's state (hex), verified against the trainer's.
     generation: the trainer generation it follows.
     run: the run (hex).
+
+  >>> Weights(version=3, digest="00" * 8, generation=1, run="ab" * 16).version
+  3
   """
 
   version: int | None
