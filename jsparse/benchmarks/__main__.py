@@ -16,8 +16,8 @@ quantized-rollout preset (FP8, MX, INT8, INT4), the codes and scales a step chan
 against dense quantized weights and bf16 sparse, and sync times (``--only quantized``, needs
 ``jsparse[quantized]``).
 
-``--quick`` is a reduced run (a small TinyLM, fewer steps and repeats, small leaf counts and
-scaling points, two quantized presets, no Tunix part) that finishes in about two minutes on a
+``--quick`` is a reduced run (a small TinyLM, fewer steps and repeats, a small leaf count and
+one scaling point, two quantized presets, no Tunix part) that finishes in about two minutes on a
 2-core CPU.
 ``--json FILE`` writes every table's data and a ``machine`` record; ``--plots DIR`` draws the
 figures (needs matplotlib). Progress goes to stderr, the tables to stdout.
@@ -43,7 +43,7 @@ FULL = dict(dim=512, depth=6, vocab=8192, steps=8, pretrain_steps=300, repeats=5
             scale_params=[25_000_000, 100_000_000, 250_000_000, 1_000_000_000], scale_width=1024,
             scale_stages=True, device_params=1_000_000_000, host_rate_params=250_000_000)
 QUICK = dict(dim=128, depth=1, vocab=1024, steps=4, pretrain_steps=30, repeats=2,
-             leaf_counts=[8], threads=[1, 2], scale_params=[3_000_000, 6_000_000],
+             leaf_counts=[8], threads=[1, 2], scale_params=[3_000_000],
              scale_width=512, scale_stages=False, device_params=3_000_000,
              host_rate_params=0)
 PARTS = ("sync", "storage", "link", "scale", "memory", "quantized", "tunix", "device")
@@ -70,8 +70,8 @@ def _parser(defaults: dict = FULL) -> argparse.ArgumentParser:
              + " (options given keep their values).")
   add = parser.add_argument
   add("--quick", action="store_true",
-      help="a reduced run: small model, few steps and repeats, small leaf counts and scaling "
-           "points, two quantized presets, no Tunix part")
+      help="a reduced run: small model, few steps and repeats, a small leaf count, one scaling "
+           "point, two quantized presets, no Tunix part")
   add("--only", choices=PARTS,
       help="run one part only (default: all of them but device, the prepared accelerator "
            "check: see jsparse.benchmarks.device)")
