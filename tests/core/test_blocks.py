@@ -27,7 +27,7 @@ def test_pure_diff_and_apply_across_layouts(trainer, rollout):
 
 def test_sharded_leaves_get_per_block_capacity_and_are_not_pooled():
   params = place({k: np.zeros(s, np.float32) for k, s in SHAPES.items()}, "fsdp4")
-  plan = jsparse.make_plan(params, capacity=0.1, bucket_size=10**6)
+  plan = jsparse.make_plan(params, capacity=0.1, pooled_capacity=0.1, bucket_size=10**6)
   by_leaf = {plan.leaves[s.leaf_ids[0]].path: s for s in plan.segments if not s.pooled}
   assert by_leaf["['w']"].blocks == 4 and by_leaf["['w']"].capacity == 4 * 154
   assert by_leaf["['b']"].blocks == 4
@@ -39,7 +39,7 @@ def test_sharded_leaves_get_per_block_capacity_and_are_not_pooled():
 def test_block_overflow_is_flagged_even_when_the_total_fits():
   w = np.zeros((64, 96), np.float32)
   params = place({"w": w}, "fsdp4")
-  plan = jsparse.make_plan(params, capacity=0.1)
+  plan = jsparse.make_plan(params, capacity=0.1, pooled_capacity=0.1)  # a small split leaf
   new = w.copy()
   new[:16] = 1.0  # every change in the first block
   delta = jsparse.diff(plan, params, place({"w": new}, "fsdp4"))

@@ -434,7 +434,8 @@ def test_a_feed_carries_quantized_versions_to_a_lagging_rollout(tmp_path):
   tree = masters(9)
   plan = jsparse.make_plan(tree, rollout_dtype=jnp.bfloat16, quantize=quantized.mxfp8())
   feed = DirectoryFeed(tmp_path / "feed")
-  publisher = Publisher(jsparse.Sender(plan, tree), feed, anchor_every=3, keep=2)
+  publisher = Publisher(jsparse.Sender(plan, tree), feed, anchor_every=3, keep=2,
+                        retain_versions=0)  # a fixed retention: the lagging rollout's anchor
   subscriber = Subscriber(jsparse.Receiver(plan, plan.cast(tree)), feed)
   states = [tree]
   for step in range(5):
