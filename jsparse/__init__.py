@@ -16,7 +16,8 @@ from typing import Any
 
 from jsparse._src.core.delta import Delta, apply, diff
 from jsparse._src.core.digest import bits_digest
-from jsparse._src.core.plan import LeafSpec, Plan, Segment, make_plan
+from jsparse._src.core.plan import LeafSpec, Plan, Segment
+from jsparse._src.planning import make_plan
 from jsparse import errors
 from jsparse.errors import (ArgumentError, CheckpointError, ConfigError, IntegrityError,
                             JsparseError, PayloadError, PlanError, PlanMismatchError,

@@ -16,12 +16,12 @@ object store such as S3 or GCS, :class:`ObjectStoreFeed`), and each rollout's
 
 from typing import Any
 
-from jsparse._src.engine.feed import DirectoryFeed, Entry, Feed, PartsLostError
+from jsparse._src.engine.feed import DirectoryFeed, Entry, Feed
 from jsparse._src.engine.publisher import Publisher
 from jsparse._src.engine.signing import Ed25519Key, HmacKey
 from jsparse._src.engine.fleet import RolloutInfo
 from jsparse._src.engine.subscriber import Subscriber, SubscriberStats, Weights
-from jsparse._src.errors import FencedError, StalenessError
+from jsparse._src.errors import FencedError, PartsLostError, StalenessError
 
 _LAZY = {"RayFeed": "ray_feed",  # Ray and obstore are imported on first use only
          "ObjectStoreFeed": "object_feed"}

@@ -18,12 +18,10 @@ Traceback (most recent call last):
 jsparse.errors.VersionError: a message
 """
 
-from jsparse._src.chain_meta import ForeignPlanError
-from jsparse._src.engine.feed import PartsLostError
 from jsparse._src.errors import (ArgumentError, CheckpointError, ConfigError, FencedError,
-                                 IntegrityError, JsparseError, OverflowedDeltaError, PayloadError, PlanError,
-                                 PlanMismatchError, StalenessError, VersionError)
-from jsparse._src.tunix.compat import TunixVersionError
+                                 ForeignPlanError, IntegrityError, JsparseError,
+                                 OverflowedDeltaError, PartsLostError, PayloadError, PlanError,
+                                 PlanMismatchError, StalenessError, TunixVersionError, VersionError)
 
 __all__ = [
     "ArgumentError", "CheckpointError", "ConfigError", "FencedError", "ForeignPlanError",

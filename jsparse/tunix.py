@@ -25,16 +25,17 @@ from typing import Any
 
 import jax
 
-from jsparse._src.core.plan import Plan, make_plan
+from jsparse._src.core.plan import Plan
+from jsparse._src.planning import make_plan
 from jsparse._src.engine.feed import Feed
 from jsparse._src.engine.signing import SigningKey
 from jsparse._src.engine.subscriber import Subscriber
-from jsparse._src.errors import PlanMismatchError
+from jsparse._src.errors import PlanMismatchError, TunixVersionError
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync.receiver import Receiver
 from jsparse._src.sync.sender import Sender
 from jsparse._src.tunix import compat
-from jsparse._src.tunix.compat import TESTED_TUNIX_VERSION, TunixVersionError
+from jsparse._src.tunix.compat import TESTED_TUNIX_VERSION
 from jsparse._src.tunix.links import FeedLink, InProcessLink
 from jsparse._src.tunix.quantized import RolloutStructure, ptq_rule
 from jsparse._src.tunix.rollout import SparseRollout, SyncRecord

@@ -20,17 +20,13 @@ import zlib
 from typing import Any
 
 from jsparse._src.core.plan import Plan
-from jsparse._src.errors import CheckpointError
+from jsparse._src.errors import CheckpointError, ForeignPlanError
 from jsparse._src.wire.parts import MAX_PARTS
 from jsparse._src.wire.payload import Mode, Payload
 
 FORMAT = 3
 MODES = {Mode.EMPTY: "empty", Mode.BY_POSITION: "sparse", Mode.DENSE: "dense"}
 MODE_IDS = {name: mode for mode, name in MODES.items()}
-
-
-class ForeignPlanError(CheckpointError):
-  """The step was saved with another plan (its fingerprint differs)."""
 
 
 def _crc(meta: dict) -> int:

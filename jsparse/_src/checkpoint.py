@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 
 from jsparse._src import chain_meta
 from jsparse._src.core.plan import Plan
-from jsparse._src.errors import CheckpointError, ConfigError, JsparseError
+from jsparse._src.errors import CheckpointError, ConfigError, ForeignPlanError, JsparseError
 from jsparse._src.options import int_option
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync.receiver import Receiver
@@ -365,7 +365,7 @@ class DeltaCheckpointManager:
         lambda x: x.sharding if isinstance(x, jax.Array) else None, params)
     try:
       restored = self.restore(latest, shardings=shardings)
-    except chain_meta.ForeignPlanError as e:
+    except ForeignPlanError as e:
       raise CheckpointError(f"{self.directory} holds steps saved with another plan; save this "
                             f"plan's chain in another directory ({e})") from e
     except CheckpointError as e:

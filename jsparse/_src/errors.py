@@ -61,3 +61,17 @@ class StalenessError(JsparseError, TimeoutError):
   """A version was not reached in time: a rollout waiting for a version (``wait_for``), or a
   publisher waiting for its rollouts to be within ``max_lag`` versions (the message names who
   lags, and why, as they reported it)."""
+
+
+class ForeignPlanError(CheckpointError):
+  """The step was saved with another plan (its fingerprint differs)."""
+
+
+class PartsLostError(JsparseError):
+  """A committed version's parts can no longer be read (deleted, truncated, their owner died),
+  or the feed holds something unexpected where a part, entry or marker belongs."""
+
+
+class TunixVersionError(ConfigError):
+  """Tunix is missing, or its API is not the one the adapter was tested with."""
+

@@ -12,7 +12,7 @@ from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.layout import Layout
 from jsparse._src.core import select
 from jsparse._src.core.select import first_set_positions, sorted_search
-from jsparse._src.wire import ranks, ulp_codes
+from jsparse._src.device import ranks, ulp_codes
 from jsparse.testing import special_values
 from tests import strategies
 from tests.meshes import place

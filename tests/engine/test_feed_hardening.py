@@ -110,7 +110,7 @@ def test_a_missing_part_or_entry_is_lost(feed):
 
 _TRUNCATE = textwrap.dedent("""
     import os, sys
-    from jsparse._src.engine.feed import DirectoryFeed, Entry, PartsLostError
+    from jsparse.engine import DirectoryFeed, Entry, PartsLostError
     feed = DirectoryFeed(sys.argv[1])
     entry = Entry(1, "anchor", 0, 1)
     feed.put(entry, 0, bytes(1 << 20))

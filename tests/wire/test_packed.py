@@ -15,7 +15,8 @@ import jsparse
 from jsparse._src.core import bitpack
 from jsparse._src.core.chunks import chunks_of
 from jsparse._src.sync import auto, packed_stage, packed_units, programs
-from jsparse._src.wire import device_codes, framing
+from jsparse._src.device import packing as device_codes
+from jsparse._src.wire import framing
 from jsparse.benchmarks.scale import layered_tree, rl_like_update
 from jsparse.testing import assert_trees_bitwise_equal, special_values
 

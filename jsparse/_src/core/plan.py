@@ -1,4 +1,4 @@
-"""The static description of what is synchronized: :class:`Plan` and :func:`make_plan`.
+"""The static description of what is synchronized: :class:`Plan` and :func:`build_plan`.
 
 A plan is built once from the trainer's parameter tree (arrays or ``jax.ShapeDtypeStruct``) and
 fixes everything the jitted functions need to know statically: the leaves (paths, shapes, the
@@ -16,7 +16,7 @@ capacity per block, and is diffed block by block on the devices that hold it.
 
 >>> import jax.numpy as jnp
 >>> params = {'w': jnp.zeros((256, 512)), 'b': jnp.zeros((512,))}
->>> plan = make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.05)
+>>> plan = build_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.05)
 >>> [(s.size, s.capacity, len(s.leaf_ids)) for s in plan.segments]
 [(131072, 6554, 1), (512, 512, 1)]
 """
@@ -147,7 +147,8 @@ class Plan:
   leaves: tuple[LeafSpec, ...]
   segments: tuple[Segment, ...]
   bucket_size: int
-  view: Any = None  # a RolloutView (quantized rollouts) or None
+  view: Any = None  # how the rollout views the trainer tree (quantized rollouts, see
+  # quant/view.py: a layer above the plan) or None
 
   @functools.cached_property
   def _hash(self) -> int:
@@ -232,10 +233,7 @@ class Plan:
       PlanMismatchError: naming the first leaf whose structure, shape or dtype differs.
     """
     if self.view is not None and not rollout_only and self.view.matches(tree):
-      from jsparse._src.core.placement import place_on_plan_layouts  # placement imports plan
-      source = Plan(self.view.treedef, self.view.leaves, (), self.bucket_size)
-      flat = place_on_plan_layouts(source, source.flatten(tree, what=what), what=what)
-      tree = jax.tree.unflatten(self.view.treedef, self.view.flat(flat))  # checked below
+      tree = self.view.of_trainer_tree(tree, what=what)  # checked below
     flat_with_path, treedef = jax.tree.flatten_with_path(tree)
     if treedef != self.treedef:
       raise PlanMismatchError(f"{what}: {self.structure_difference(tree)}")
@@ -435,56 +433,20 @@ def _capacity(name: str, fraction: Any, slots: Any, default: float) -> _Capacity
   return _Capacity(fraction=fraction)
 
 
-def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: float | None = None,
+def build_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: float | None = None,
               capacity_slots: int | None = None, pooled_capacity: float | None = None,
               pooled_capacity_slots: int | None = None, bucket_size: int = 2**16,
-              quantize: Any = None) -> Plan:
-  """Builds the static plan that ``diff``, ``apply``, ``Sender`` and ``Receiver`` share.
+              view: Any = None) -> Plan:
+  """The plan of ``tree``, or of ``view.shapes()`` when a rollout view is given: what
+  :func:`jsparse.make_plan` builds once its options are resolved (see it for the options).
 
-  Args:
-    tree: the trainer's parameter tree: arrays or ``jax.ShapeDtypeStruct`` leaves, in any pytree
-      (dicts, ``flax.nnx.State``, Linen param dicts, dataclasses).
-    rollout_dtype: the dtype the rollout holds. ``None`` keeps every leaf's dtype; a dtype (e.g.
-      ``jnp.bfloat16``) applies to floating leaves (integer and bool leaves keep theirs); a callable
-      ``(path, ShapeDtypeStruct) -> dtype | None`` chooses per leaf.
-    capacity: static slots per unpooled segment (one large leaf; for a leaf split over a mesh,
-      per block), as a fraction of its elements in (0, 1] (default 0.05). An ``int`` here is
-      refused: a count is ``capacity_slots``. Updates denser than this overflow and are carried
-      densely. A leaf smaller than ``bucket_size`` split over a mesh is not pooled (its blocks
-      live apart) but takes ``pooled_capacity`` per block, as a small leaf does.
-    capacity_slots: instead of ``capacity``, the number of slots per unpooled segment (or
-      block), an ``int >= 1`` (a segment never gets more slots than it has elements).
-    pooled_capacity, pooled_capacity_slots: the same for segments that pool small leaves
-      (default ``pooled_capacity=1.0``). Small leaves (biases, norms) change far more often than
-      large matrices, and a pool is small, so the default carries every element.
-    bucket_size: leaves smaller than this are pooled into shared segments of at most this size
-      (and at most 32 leaves).
-    quantize: leaves the rollout holds quantized (see :mod:`jsparse.quantized`): a preset such
-      as ``jsparse.quantized.fp8_tiles()``, one ``Quantization`` / qwix ``HowToQuantize`` for
-      every floating leaf of 2+ dimensions, or a function ``(path, ShapeDtypeStruct) -> spec |
-      None``, where a spec may also be a jittable quantizer ``array -> (codes, scales)`` (given
-      directly, it applies to every floating leaf of 2+ dimensions). Each such leaf becomes a
-      node of codes and scales (a qwix ``QArray``; a ``PackedQArray`` for 4-bit codes; what a
-      user quantizer returns) that syncs bit for bit; ``rollout_dtype`` applies to the other
-      leaves.
+  ``view`` (quantized rollouts, ``quant/view.py``) is used through its ``shapes()``,
+  ``quantized_paths()``, ``matches(tree)``, ``of_trainer_tree(tree, what=)`` and
+  ``description()``: the plan knows nothing of quantization.
 
-  Returns:
-    A hashable :class:`Plan`.
-
-  Raises:
-    PlanError: for an unsupported dtype, a typed PRNG key or a leaf over 2**31 - 1 elements
-      (named).
-    ConfigError: for a bad ``capacity``, ``pooled_capacity``, their ``_slots`` or
-      ``bucket_size``, an ``int`` fraction, or both forms of one option.
-
-  >>> import jax.numpy as jnp, jsparse
-  >>> params = {'w': jnp.zeros((512, 512)), 'b': jnp.zeros(512), 'scale': jnp.ones(512)}
-  >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.02)
-  >>> [(len(s.leaf_ids), s.size, s.capacity) for s in plan.segments]  # biases share a pool
-  [(1, 262144, 5243), (2, 1024, 1024)]
-  >>> plan = jsparse.make_plan(params, capacity_slots=1000, pooled_capacity_slots=64)
-  >>> [s.capacity for s in plan.segments]
-  [1000, 64]
+  >>> import jax.numpy as jnp
+  >>> [s.capacity for s in build_plan({'w': jnp.zeros(100_000)}).segments]
+  [5000]
   """
   capacity = _capacity("capacity", capacity, capacity_slots, DEFAULT_CAPACITY)
   pooled_capacity = _capacity("pooled_capacity", pooled_capacity, pooled_capacity_slots,
@@ -493,13 +455,10 @@ def make_plan(tree: PyTree, *, rollout_dtype: RolloutDtype = None, capacity: flo
   if bucket_size > MAX_SEGMENT_ELEMENTS:
     raise ConfigError(f"bucket_size must be at most {MAX_SEGMENT_ELEMENTS} (int32 indices), got "
                       f"{bucket_size}")
-  view, exact = None, frozenset()
-  if quantize is not None:
-    from jsparse._src.quant.view import make_view  # qwix is imported for quantized plans only
-    view = make_view(tree, quantize)
-    if view is not None:
-      tree = view.shapes()
-      exact = view.quantized_paths()  # codes and scales: held as the quantizer makes them
+  exact = frozenset()
+  if view is not None:
+    tree = view.shapes()
+    exact = view.quantized_paths()  # codes and scales: held as the quantizer makes them
   flat_with_path, treedef = jax.tree.flatten_with_path(tree)
   leaves = []
   for path, value in flat_with_path:

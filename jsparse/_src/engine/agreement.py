@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jsparse._src.engine.feed import KINDS, Entry, PartsLostError
+from jsparse._src.engine.feed import KINDS, Entry
+from jsparse._src.errors import PartsLostError
 from jsparse._src.engine.records import PartMeta
 
 

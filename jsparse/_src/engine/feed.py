@@ -32,7 +32,7 @@ import stat
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
-from jsparse._src.errors import ArgumentError, ConfigError, JsparseError
+from jsparse._src.errors import ArgumentError, ConfigError, PartsLostError
 from jsparse._src.options import typed_argument
 
 KINDS = ("delta", "anchor")
@@ -46,11 +46,6 @@ _COMMIT_FIXED, _COMMIT_PER_PART = 1024, 64
 def commit_bytes_cap(parts: int) -> int:
   """The most bytes a commit of ``parts`` parts takes: a read of a commit stops past it."""
   return _COMMIT_FIXED + _COMMIT_PER_PART * parts
-
-
-class PartsLostError(JsparseError):
-  """A committed version's parts can no longer be read (deleted, truncated, their owner died),
-  or the feed holds something unexpected where a part, entry or marker belongs."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)

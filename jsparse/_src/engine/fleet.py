@@ -23,7 +23,7 @@ import json
 import logging
 from typing import Mapping
 
-from jsparse._src.engine.feed import PartsLostError
+from jsparse._src.errors import PartsLostError
 from jsparse._src.engine.records import read_status
 from jsparse._src.engine.signing import SigningKey
 

@@ -31,11 +31,11 @@ import logging
 import time
 from typing import Sequence
 
-from jsparse._src.engine.feed import MAX_VERSION, Entry, Feed, PartsLostError
+from jsparse._src.engine.feed import MAX_VERSION, Entry, Feed
 from jsparse._src.engine.records import (Commit, PartMeta, commit_record, generation_record,
                                          part_meta, read_commit, read_generation)
 from jsparse._src.engine.signing import SigningKey
-from jsparse._src.errors import ConfigError
+from jsparse._src.errors import ConfigError, PartsLostError
 
 __all__ = ["Ledger", "part_meta"]
 

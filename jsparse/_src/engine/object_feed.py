@@ -56,11 +56,10 @@ from obstore.exceptions import AlreadyExistsError, NotSupportedError
 from obstore.exceptions import BaseError as StoreError
 
 from jsparse._src.engine.feed import (_GENERATION_BYTES, _RUN_BYTES, MAX_VERSION, ROLLOUT_ID,
-                                      STATUS_BYTES, Entry,
-                                      PartsLostError, _run_of, _sort_key, check_checksums,
+                                      STATUS_BYTES, Entry, _run_of, _sort_key, check_checksums,
                                       check_part_number, check_run_id, check_sizes,
                                       commit_bytes_cap)
-from jsparse._src.errors import ConfigError
+from jsparse._src.errors import ConfigError, PartsLostError
 from jsparse._src.options import float_option, int_option
 from jsparse._src.threads import bounded_map
 

@@ -37,11 +37,11 @@ import jax
 from jsparse._src.engine.agreement import (agreed_blob, agreed_bytes, agreed_flag, agreed_int,
                                            gathered_parts, raise_if_any_failed)
 from jsparse._src.engine.fleet import RolloutInfo, decode_rows, encode_rows, fleet_view
-from jsparse._src.engine.feed import Entry, Feed, PartsLostError
+from jsparse._src.engine.feed import Entry, Feed
 from jsparse._src.engine.ledger import Ledger
 from jsparse._src.engine.records import part_meta
 from jsparse._src.engine.signing import SigningKey, key_argument
-from jsparse._src.errors import ConfigError, FencedError, StalenessError
+from jsparse._src.errors import ConfigError, FencedError, PartsLostError, StalenessError
 from jsparse._src.options import feed_argument, float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync.sender import Sender

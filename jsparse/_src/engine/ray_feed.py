@@ -16,10 +16,9 @@ import numpy as np
 import ray
 from ray import exceptions as ray_errors
 
-from jsparse._src.engine.feed import (ROLLOUT_ID, STATUS_BYTES, Entry, PartsLostError,
-                                      _sort_key, check_checksums, check_part_number,
-                                      check_run_id, check_sizes)
-from jsparse._src.errors import ConfigError
+from jsparse._src.engine.feed import (ROLLOUT_ID, STATUS_BYTES, Entry, _sort_key, check_checksums,
+                                      check_part_number, check_run_id, check_sizes)
+from jsparse._src.errors import ConfigError, PartsLostError
 
 
 @ray.remote(num_cpus=0)

@@ -22,10 +22,9 @@ import hashlib
 import json
 from typing import Sequence
 
-from jsparse._src.engine.feed import (MAX_VERSION, ROLLOUT_ID, STATUS_BYTES, Entry,
-                                      PartsLostError)
+from jsparse._src.engine.feed import MAX_VERSION, ROLLOUT_ID, STATUS_BYTES, Entry
 from jsparse._src.engine.signing import SigningKey
-from jsparse._src.errors import ConfigError
+from jsparse._src.errors import ConfigError, PartsLostError
 
 COMMIT_FORMAT = "jsparse-commit/1"
 GENERATION_FORMAT = "jsparse-generation/1"

@@ -29,11 +29,12 @@ import uuid
 import jax
 
 from jsparse._src.engine.agreement import agreed_bytes, agreed_entry, agreed_int
-from jsparse._src.engine.feed import Entry, Feed, PartsLostError
+from jsparse._src.engine.feed import Entry, Feed
 from jsparse._src.engine.ledger import Ledger
 from jsparse._src.engine.records import Commit, Status, check_rollout_id, status_record
 from jsparse._src.engine.signing import SigningKey, key_argument
-from jsparse._src.errors import IntegrityError, PayloadError, StalenessError, VersionError
+from jsparse._src.errors import (IntegrityError, PartsLostError, PayloadError, StalenessError,
+                                 VersionError)
 from jsparse._src.options import feed_argument, float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib

@@ -33,7 +33,8 @@ from qwix._src.core.qarray import HowToQuantize as QArrayHow
 
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.layout import Layout, no_context_mesh
-from jsparse._src.core.plan import LeafSpec
+from jsparse._src.core.placement import place_on_plan_layouts
+from jsparse._src.core.plan import LeafSpec, Plan
 from jsparse._src.errors import ConfigError
 from jsparse._src.pytree import PyTree
 from jsparse._src.quant.spec import Quantization
@@ -63,6 +64,13 @@ class RolloutView:
   def matches(self, tree: PyTree) -> bool:
     """Whether ``tree`` has the trainer tree's structure (the view applies to it)."""
     return jax.tree.structure(tree) == self.treedef
+
+  def of_trainer_tree(self, tree: PyTree, *, what: str) -> PyTree:
+    """The rollout's view of a trainer tree, checked against the trainer's leaves (errors name
+    the tree ``what``) and placed on their layouts first (see ``Plan.flatten``)."""
+    source = Plan(self.treedef, self.leaves, (), 1)
+    flat = place_on_plan_layouts(source, source.flatten(tree, what=what), what=what)
+    return jax.tree.unflatten(self.treedef, self.flat(flat))
 
   def __call__(self, tree: PyTree) -> PyTree:
     """The rollout's view of ``tree`` (a trainer tree of the view's structure)."""

@@ -27,17 +27,13 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
-
-import jax
-import jax.numpy as jnp
+from typing import Any, Callable
 
 from jsparse._src.wire.payload import Coding
 
 CANDIDATES = (Coding.PACKED, Coding.PACKED_POSITIONED, Coding.RANKED, Coding.POSITIONED,
               Coding.LISTS)
 DEFAULT_LINK_GBIT = 10.0
-_REPEATS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,26 +58,6 @@ def choose(rates: dict, changes: int, link_gbit: float) -> Coding:
   return min(rates, key=lambda c: rates[c].predict(changes, link_gbit))
 
 
-def _timed_sync(coding: Coding, plan, old: Any, new: Any) -> tuple[float, int, int]:
-  """Best seconds of a send and a receive of ``old`` to ``new``, the payload bytes and the
-  changes."""
-  from jsparse._src.sync.receiver import Receiver
-  from jsparse._src.sync.sender import Sender
-  best, size, changes = float("inf"), 0, 0
-  for _ in range(_REPEATS + 1):  # the first compiles
-    # Copies: a throwaway sender's diff and receiver's apply donate what they hold.
-    sender = Sender(plan, jax.tree.map(jnp.copy, old), coding=coding)
-    receiver = Receiver(plan, jax.tree.map(jnp.copy, old))
-    jax.block_until_ready((sender.snapshot, receiver.params))
-    start = time.perf_counter()
-    data = sender.send(new)
-    jax.block_until_ready(receiver.receive(data))
-    best, size = min(best, time.perf_counter() - start), len(data)
-    changes = sender.last_stats.changed
-    del sender, receiver
-  return best, size, changes
-
-
 @dataclasses.dataclass(frozen=True)
 class Calibration:
   """What :func:`calibrate` measured on a tree: each candidate's :class:`CodingRate`, and the
@@ -95,16 +71,21 @@ _LOCK = threading.Lock()
 _RATES: dict[Any, Calibration] = {}  # by plan
 
 
-def calibrate(plan, old: Any, new: Any) -> Calibration:
+# ``(coding, plan, old, new) -> (best seconds of a sync of old to new, payload bytes, changes)``
+TimedSync = Callable[[Coding, Any, Any, Any], tuple[float, int, int]]
+
+
+def calibrate(plan, old: Any, new: Any, timed_sync: TimedSync) -> Calibration:
   """Each candidate coding's :class:`CodingRate` for ``plan``, syncing ``old`` (the rollout's
-  tree) to ``new`` (params): measured at the first call for a plan in this process (one at a
-  time), then returned as measured."""
+  tree) to ``new`` (params) with ``timed_sync`` (the protocol's: this module knows no sender):
+  measured at the first call for a plan in this process (one at a time), then returned as
+  measured."""
   with _LOCK:
     if plan not in _RATES:
       started = time.perf_counter()
       rates = {}
       for coding in CANDIDATES:
-        seconds, size, changes = _timed_sync(coding, plan, old, new)
+        seconds, size, changes = timed_sync(coding, plan, old, new)
         rates[coding] = CodingRate(seconds, size / max(1, changes))
       logging.getLogger("jsparse").info(
           "jsparse: coding='auto' measured %d codings on this tree in %.1f s: %s", len(rates),

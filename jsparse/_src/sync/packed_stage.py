@@ -43,7 +43,8 @@ from jsparse._src.errors import PayloadError
 from jsparse._src.sync import programs
 from jsparse._src.sync.programs import DeviceChanges, ReceiverInputs
 from jsparse._src.sync.staging import empty_slots, replicated_copies, staging_device
-from jsparse._src.wire import device_codes, packed
+from jsparse._src.device import packing as device_codes
+from jsparse._src.wire import packed
 from jsparse._src.wire.payload import Mode, segment_host_bits
 
 

@@ -40,7 +40,7 @@ from jsparse._src.sync import programs
 from jsparse._src.sync.packed_stage import check_fits, chunk_words, used_streams
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
-from jsparse._src.wire import device_codes
+from jsparse._src.device import packing as device_codes
 from jsparse._src.wire.packed import PackedRecord
 from jsparse._src.wire.payload import Mode, SegmentPayload
 

@@ -45,9 +45,9 @@ from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.layout import no_context_mesh
 from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.core.units import local_value
-from jsparse._src.wire import block_ranks
-from jsparse._src.wire import ranks as ranks_lib
-from jsparse._src.wire import ulp_codes
+from jsparse._src.device import block_ranks
+from jsparse._src.device import ranks as ranks_lib
+from jsparse._src.device import ulp_codes
 from jsparse._src.wire.payload import Coding
 
 

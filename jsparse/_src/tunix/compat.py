@@ -18,13 +18,9 @@ import importlib
 import importlib.metadata
 from typing import Any
 
-from jsparse._src.errors import ConfigError
+from jsparse._src.errors import TunixVersionError
 
 TESTED_TUNIX_VERSION = "0.1.7"
-
-
-class TunixVersionError(ConfigError):
-  """Tunix is missing, or its API is not the one the adapter was tested with."""
 
 
 def installed_version() -> str | None:

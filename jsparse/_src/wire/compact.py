@@ -30,7 +30,7 @@ import zstandard
 
 from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.errors import PayloadError
-from jsparse._src.wire import ulp_codes
+from jsparse._src.device import ulp_codes
 from jsparse._src.wire.payload import RECORD, Mode, SegmentPayload
 from jsparse._src.wire.reader import Reader
 

@@ -1,6 +1,6 @@
 """The body of a packed (format 3) payload: the changes bit-packed on the device, framed here.
 
-The device (``device_codes.py``) codes every change; the host only frames the words it gets
+The device (``device/packing.py``) codes every change; the host only frames the words it gets
 back, and a receiver's host only checks the framing and hands the words to its devices. Per
 chunk of the plan (``core/chunks.py``) that has changes, two streams: the key gaps and the
 value codes, each a run of fixed-width blocks of 32 values (``core/bitpack.py``). The body::
@@ -36,7 +36,7 @@ from jsparse._src.core import bitpack
 from jsparse._src.core.chunks import chunks_of
 from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.errors import PayloadError
-from jsparse._src.wire.device_codes import values_per_change
+from jsparse._src.device.packing import values_per_change
 from jsparse._src.wire.payload import (RECORD, Kind, Mode, SegmentPayload, check_modes,
                                        ranked_segments)
 from jsparse._src.wire.reader import Reader

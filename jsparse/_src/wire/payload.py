@@ -28,7 +28,7 @@ from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.core.units import local_value
 from jsparse._src.errors import PayloadError
-from jsparse._src.wire import ulp_codes
+from jsparse._src.device import ulp_codes
 
 CHUNK_BITS = 16  # format 1 names positions inside 2**16-element chunks (uint16)
 MAX_VERSION = 2**63  # versions are int64 in a SyncState
@@ -83,7 +83,7 @@ class Coding(str, enum.Enum):
   - ``LISTS``: format 1, positions and raw new bits: 4 B/change for 16-bit dtypes, the least
     device work; for fast links.
   - ``PACKED``: format 3, the ranks and ulp codes of ``RANKED`` bit-packed in blocks of 32 by
-    the device (``device_codes.py``): ~1 B/change, and no per-change work on either host (it
+    the device (``device/packing.py``): ~1 B/change, and no per-change work on either host (it
     only moves the packed words): for accelerators and fast links. Payloads, parts and streams
     carry it (:meth:`Sender.payload`'s decoded records are ``RANKED``'s).
   - ``PACKED_POSITIONED`` (``"packed-positioned"``): format 3 with the positions of

@@ -16,7 +16,7 @@ This works for any rollout layout, so one payload stream serves rollouts with di
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> from jax.sharding import NamedSharding, PartitionSpec as P
 >>> from jsparse._src.core.layout import Layout
->>> from jsparse._src.wire import ranks
+>>> from jsparse._src.device import ranks
 >>> bits = jnp.array(np.random.default_rng(0).integers(0x3000, 0x3F80, 64), jnp.uint16)
 >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))
 >>> split = jax.device_put(bits.reshape(8, 8), NamedSharding(mesh, P("x")))
@@ -44,8 +44,8 @@ from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.blocks import unravel
 from jsparse._src.core.layout import Layout
 from jsparse._src.core.select import sorted_search
-from jsparse._src.wire import ranks as ranks_lib
-from jsparse._src.wire.ulp_codes import NUM_CLASSES
+from jsparse._src.device import ranks as ranks_lib
+from jsparse._src.device.ulp_codes import NUM_CLASSES
 
 _ROUNDS = 32  # positions are int32
 

@@ -33,7 +33,7 @@ from jax import lax
 from jsparse._src.core import bitpack
 from jsparse._src.core.plan import LeafSpec, Plan, Segment
 from jsparse._src.errors import ConfigError
-from jsparse._src.wire import ulp_codes
+from jsparse._src.device import ulp_codes
 
 
 def values_per_change(seg: Segment) -> int:

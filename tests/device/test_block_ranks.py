@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jsparse._src.core.layout import Layout
-from jsparse._src.wire import block_ranks, ranks, ulp_codes
+from jsparse._src.device import block_ranks, ranks, ulp_codes
 from tests.core.test_kernels import _bf16_bits_with_every_class
 
 # A rollout mesh, and the specs its leaves may have (2-D leaves, dimensions multiples of 8).

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from jsparse._src.core.select import pack_words, rank_select, sorted_search
-from jsparse._src.wire.ulp_codes import NUM_CLASSES, exponent_class
+from jsparse._src.device.ulp_codes import NUM_CLASSES, exponent_class
 
 _WORD = 32
 _SUPERBLOCK_WORDS = 8
