@@ -124,6 +124,26 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
         + [[f"`{name}`, bytes/change"] + [f"{x['bytes'] / max(1, x['changed']):.2f}"
                                           for x in steps] for name, steps in codings.items()])
 
+  if "costs" in r:
+    def cost_rows(table: dict) -> list[list]:
+      return [[f"`{name}`", f"{c['send_bytes'] / 1e6:,.1f}", f"{c['send_x_floor']:.2f}x",
+               f"{c['receive_bytes'] / 1e6:,.1f}", f"{c['receive_x_floor']:.2f}x"]
+              for name, c in table["codings"].items()]
+
+    def cost_table() -> str:
+      header = ["coding", "send MB", "over compare-and-count", "receive MB", "over dense copy"]
+      out = []
+      for key, label in (("step", f"the {r['workload']['params'] / 1e6:.1f}M-parameter step"),
+                         ("large", "a layered tree after one RL-like step")):
+        if key in r["costs"]:
+          t = r["costs"][key]
+          out.append(f"On {label} ({t['params']:,} parameters; floors: compare-and-count "
+                     f"{t['floors']['compare-and-count'] / 1e6:,.1f} MB, dense cast and copy "
+                     f"{t['floors']['dense copy'] / 1e6:,.1f} MB):\n\n"
+                     + _rows(header, cost_rows(t)))
+      return "\n\n".join(out)
+    v["cost_table"] = cost_table
+
   if "sync" in r:
     sync = r["sync"]
     step, methods, core = sync["step"], sync["methods"], sync["core"]

@@ -4,7 +4,9 @@ On a realistic update (a ~21M-parameter TinyLM pretrained for 300 AdamW steps, t
 AdamW steps at lr 1e-6 on fp32 masters, bf16 rollout; the method table is for the step whose
 density is closest to 1%) it prints: payload bytes, encode and apply times and
 compiled memory of the sync, and the bytes per change of every coding at every step
-(``--only sync``), and the disk bytes and save times of full Orbax
+(``--only sync``); XLA's cost model of one sync per coding, bytes accessed by the device
+programs of each side against the same for a compare-and-count and a dense copy, on that step
+and on a 250M-parameter tree (``--only costs``); the disk bytes and save times of full Orbax
 checkpoints against a delta chain (``--only storage``), and the end-to-end sync time per step
 over a simulated 1 and 10 Gbit/s link, sparse against dense (``--only link``); set-up time
 against the number of leaves, time per parameter and peak memory from 25M to 1B parameters, and
@@ -41,12 +43,13 @@ from typing import Any, Callable, Iterator, Sequence
 FULL = dict(dim=512, depth=6, vocab=8192, steps=8, pretrain_steps=300, repeats=5,
             leaf_counts=[100, 1000, 10000], threads=[1, 2],
             scale_params=[25_000_000, 100_000_000, 250_000_000, 1_000_000_000], scale_width=1024,
-            scale_stages=True, device_params=1_000_000_000, host_rate_params=250_000_000)
+            scale_stages=True, device_params=1_000_000_000, host_rate_params=250_000_000,
+            cost_params=250_000_000)
 QUICK = dict(dim=128, depth=1, vocab=1024, steps=4, pretrain_steps=30, repeats=2,
              leaf_counts=[8], threads=[1, 2], scale_params=[3_000_000],
              scale_width=512, scale_stages=False, device_params=3_000_000,
-             host_rate_params=0)
-PARTS = ("sync", "storage", "link", "scale", "memory", "quantized", "tunix", "device")
+             host_rate_params=0, cost_params=0)
+PARTS = ("sync", "costs", "storage", "link", "scale", "memory", "quantized", "tunix", "device")
 SCHEMA = 1  # the JSON file's layout version
 
 
@@ -101,6 +104,9 @@ def _parser(defaults: dict = FULL) -> argparse.ArgumentParser:
   add("--host-rate-params", type=int, default=defaults["host_rate_params"],
       help="parameters of the tree whose payload times the packed coding's host stages per "
            "byte for the estimate (0: the workload's own step)")
+  add("--cost-params", type=int, default=defaults["cost_params"],
+      help="parameters of the layered tree whose sync the cost-model table also counts (0: the "
+           "workload's step only)")
   add("--scale-stages", action=argparse.BooleanOptionalAction, default=defaults["scale_stages"],
       help="time the four stages of a sync and their floors at every size of the scaling table")
   return parser
@@ -176,6 +182,10 @@ def _tables(args: argparse.Namespace) -> list[str]:
   names.append("workload")
   if only in (None, "sync", "scale"):
     names += ["sync", "codings"]
+  if only in (None, "costs"):
+    names.append("costs")
+    if args.cost_params:
+      names.append("costs large")
   if only in (None, "link"):
     names += ["link", "stream", "lagging"]
   if only in (None, "storage"):
@@ -249,7 +259,7 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
   import jax.numpy as jnp
 
   import jsparse
-  from jsparse.benchmarks import link, scale, storage, sync, tunix_loop
+  from jsparse.benchmarks import costs, link, scale, storage, sync, tunix_loop
   from jsparse.examples import workload
 
   results: dict = {}
@@ -281,6 +291,18 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
     with table("codings"):
       results["codings"] = bytes_by_coding(plan, states)
       print_bytes_by_coding(results["codings"])
+  if args.only in (None, "costs"):
+    step = (results["sync"]["step"] if "sync" in results
+            else sync.one_percent_step(sync.per_step_sizes(plan, states)))
+    with table("costs"):
+      results["costs"] = {"step": costs.cost_table(plan, states[step - 1], states[step])}
+      costs.print_cost_table(f"the TinyLM step {step}", results["costs"]["step"])
+    if args.cost_params:
+      with table("costs large"):
+        results["costs"]["large"] = costs.cost_table(
+            *scale.large_step(args.cost_params), codings=costs.DEFAULT_AND_PACKED)
+        costs.print_cost_table("a layered tree after one RL-like step",
+                               results["costs"]["large"])
   if args.only in (None, "link"):
     with table("link"):
       results["link"] = link.link_times(plan, states)

@@ -10,7 +10,9 @@ receive, stream, publish, subscribe) goes through the public names, in the bench
 
 from __future__ import annotations
 
-from typing import Any
+import collections
+import contextlib
+from typing import Any, Iterator
 
 # Bit patterns of floats (bit-flip counts, the XOR + zstd baseline, the raw index format).
 from jsparse._src.core import bits as bits_lib
@@ -30,6 +32,43 @@ from jsparse._src.engine.link import ThrottledFeed, TokenBucket
 to_bits = bits_lib.to_bits
 
 
+@contextlib.contextmanager
+def executed_programs() -> Iterator[collections.Counter]:
+  """Counts every XLA executable run inside the block, on any thread: a ``Counter`` from the
+  executable to its runs (XLA's cost model of each is ``executable.cost_analysis()``).
+
+  JAX runs a compiled program from C++ once it has run it from Python; inside the block those
+  fast paths are off, so that every run passes the one Python call that is counted (a
+  measurement of the cost model, not of time: dispatch is slower meanwhile). This reaches into
+  JAX's internals (``pjit``, ``pxla``) and is for the benchmark only.
+  """
+  from jax._src import pjit as pjit_lib
+  from jax._src import stages
+  from jax._src.interpreters import pxla
+  runs: collections.Counter = collections.Counter()
+  saved = (pxla.ExecuteReplicated.__call__, pjit_lib._get_fastpath_data, stages.Compiled.__call__)
+  call = saved[0]
+
+  def counted(self, *args):
+    runs[self.xla_executable] += 1
+    return call(self, *args)
+
+  def clear_fast_paths() -> None:  # jit's C++ dispatch caches (not its compilations)
+    pjit_lib._cpp_pjit_cache_fun_only.clear()
+    pjit_lib._cpp_pjit_cache_explicit_attributes.clear()
+
+  pxla.ExecuteReplicated.__call__ = counted
+  pjit_lib._get_fastpath_data = lambda *args, **kwargs: None
+  stages.Compiled.__call__ = lambda self, *a, **k: stages.Compiled.call(self._params, *a, **k)[0]
+  clear_fast_paths()
+  try:
+    yield runs
+  finally:
+    (pxla.ExecuteReplicated.__call__, pjit_lib._get_fastpath_data,
+     stages.Compiled.__call__) = saved
+    clear_fast_paths()
+
+
 def parts_reader(receiver: Any) -> PartsReader:
   """A reader of streamed parts onto ``receiver``'s leaves, as its ``receive_stream`` makes one
   (the parts' decode timed alone, without the apply)."""
@@ -43,7 +82,7 @@ def sender_snapshot(sender: Any) -> Any:
 
 __all__ = [
     "Format", "Kind", "PartsReader", "Payload", "ThrottledFeed", "TokenBucket", "apply_program",
-    "bits_lib", "chunks_of", "diff_program", "framing", "layouts_of", "packed", "packed_stage",
-    "parts_reader", "programs", "segment_host_bits", "segment_records", "sender_snapshot",
+    "bits_lib", "chunks_of", "diff_program", "executed_programs", "framing", "layouts_of",
+    "packed", "packed_stage", "parts_reader", "programs", "segment_host_bits", "segment_records", "sender_snapshot",
     "staging", "to_bits",
 ]
