@@ -36,7 +36,7 @@ from jsparse._src.core.placement import commit_leaves, place_on_plan_layouts
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import ConfigError, VersionError
-from jsparse._src.options import float_option, int_option, typed_argument
+from jsparse._src.options import int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value, owned_units
 from jsparse._src.sync import auto, programs
@@ -68,8 +68,11 @@ class SendStats:
     overflowed_changes: the changes of those segments (sent as their whole segments).
     anchor: whether the payload is an anchor (every segment dense).
     payload_bytes: the payload's size (None after :meth:`Sender.payload`, which makes no bytes).
-    coding: the coding of the payload ``send`` made (for ``coding="auto"``: the one it chose;
-      None for parts, streams and :meth:`Sender.payload`, which carry the records' coding).
+    coding: the coding of what was sent (for ``coding="auto"``: the one it chose), on every
+      path: payloads, parts, streams and :meth:`Sender.payload`'s records.
+    coding_rates: for ``coding="auto"``, the rates its choice was made from: per candidate,
+      ``(seconds of one sync's work, bytes per change)``; None for a fixed coding, an anchor,
+      or before a representative calibration (see ``sync/auto.py``).
 
   >>> import jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(100)})
@@ -89,6 +92,7 @@ class SendStats:
   payload_bytes: int | None = None
   overflowed_changes: int = 0
   coding: str | None = None
+  coding_rates: dict | None = None
 
   @property
   def density(self) -> float:
@@ -115,9 +119,11 @@ class Sender:
     coding: a :class:`~jsparse.Coding` (or its string): ``"ranked"`` (the default, ~1 byte
       per change on RL updates), ``"packed"`` (about as small, coded on the device: for
       accelerators), ``"positioned"``, ``"lists"`` (4 bytes per change, the least device
-      work), or ``"auto"`` (per send, the fastest over ``link_gbit``, from each coding's time
-      on this tree, measured at the first delta; see :attr:`SendStats.coding`).
-    link_gbit: the link's bandwidth in Gbit/s, for ``coding="auto"``.
+      work), or ``"auto"`` (per version, the fastest over ``link_gbit``, from each coding's time
+      on this tree, measured again when the density moves; on every path; see
+      :attr:`SendStats.coding` and ``sync/auto.py``).
+    link_gbit: the link's bandwidth in Gbit/s, for ``coding="auto"`` (an attribute: set it when
+      the link changes).
 
   Raises:
     ConfigError: a bad option.
@@ -138,7 +144,7 @@ class Sender:
                link_gbit: float = auto.DEFAULT_LINK_GBIT):
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.coding = coding_option(coding)
-    self.link_gbit = float_option("link_gbit", link_gbit, minimum=1e-6)
+    self._auto = auto.AutoCoding(link_gbit)  # the policy of coding="auto"
     self.plan = typed_argument("plan", plan, Plan, "a jsparse.Plan (from make_plan)")
     self.version = check_version(version)
     self._snapshot, digest = programs.snapshot_and_digest(plan, _on_plan_layouts(plan, params))
@@ -152,6 +158,17 @@ class Sender:
     self.last_stats: SendStats | None = None
     self._overflow_log = OverflowLog()
     self._step_coding = self.coding  # the coding of the step being sent
+    self._last_update: auto.Update | None = None  # what the last delta changed
+
+  @property
+  def link_gbit(self) -> float:
+    """The link's bandwidth in Gbit/s that ``coding="auto"`` chooses for (settable: the next
+    send chooses for the new rate)."""
+    return self._auto.link_gbit
+
+  @link_gbit.setter
+  def link_gbit(self, value: float) -> None:
+    self._auto.link_gbit = value
 
   def state(self) -> SyncState:
     """What a restarted trainer needs to resume without a full resend. The arrays are the live
@@ -220,9 +237,23 @@ class Sender:
       data = framing.frame(self.plan, Payload(head.kind, head.base_version, head.version,
                                               head.base_digest, head.new_digest, (),
                                               coding.format), body)
-    self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data),
-                                          coding=coding.value)
+    self._finish(len(data), coding)
     return data
+
+  def _finish(self, payload_bytes: int | None, coding: Coding) -> None:
+    """Completes ``last_stats`` once a version is all out (``payload_bytes``: None for decoded
+    records, which have none), and tells ``auto`` what it carried."""
+    stats = self.last_stats
+    rates = None
+    if self.coding is Coding.AUTO and not stats.anchor and self._auto.rates_used is not None:
+      rates = {c.value: (r.seconds, r.bytes_per_change) for c, r in self._auto.rates_used.items()}
+    self.last_stats = dataclasses.replace(stats, payload_bytes=payload_bytes,
+                                          coding=coding.value, coding_rates=rates)
+    if not stats.anchor:
+      update = auto.Update(stats.changed, stats.elements, stats.overflowed_changes)
+      if payload_bytes is not None:
+        self._auto.observe(coding, update, payload_bytes)
+      self._last_update = update
 
   def _whole_body(self, changes: programs.DeviceChanges, snapshot: list, full: bool
                   ) -> tuple[Coding, bytes | list]:
@@ -234,18 +265,18 @@ class Sender:
                                           self._records(coding, changes, snapshot, full))
 
   def _coding_for(self, full: bool, flat: list) -> Coding:
-    """The sender's coding, or for ``"auto"`` the one predicted fastest over the link for as
-    many changes as the last delta had (an anchor: ranked; all codings carry it alike). The
-    first delta of a plan measures every coding on it (``auto.calibrate``)."""
+    """The sender's coding, or for ``"auto"`` its policy's choice (``sync/auto.py``), which
+    measures every candidate on this update when it must. An anchor, and any version of a job
+    of several processes (no throwaway sync of the whole tree there), is ``ranked``."""
     if self.coding is not Coding.AUTO:
       return self.coding
-    if full:
-      return Coding.RANKED
-    calibration = auto.measured(self.plan) or auto.calibrate(
-        self.plan, self.snapshot, jax.tree.unflatten(self.plan.treedef, flat), timed_sync)
-    last = self.last_stats
-    expected = last.changed if last is not None and not last.anchor else calibration.changes
-    return auto.choose(calibration.rates, expected, self.link_gbit)
+    if full or not all(x.is_fully_addressable for x in self._snapshot):
+      self._auto.rates_used = None
+      return auto.FEWEST_BYTES
+    self._auto.adopt(auto.measured(self.plan), self._last_update)
+    new = jax.tree.unflatten(self.plan.treedef, flat)
+    return self._auto.choose(self._last_update, lambda: auto.calibrate(
+        self.plan, self.snapshot, new, timed_sync))
 
   def _records(self, coding: Coding, changes: programs.DeviceChanges, snapshot: list,
                full: bool):
@@ -271,7 +302,9 @@ class Sender:
     :meth:`Receiver.apply_payload` applies), not its bytes."""
     with self._anchor_next_if_moved():
       payload = self._payload(params, full, version)
-      return dataclasses.replace(payload, segments=tuple(payload.segments))
+      payload = dataclasses.replace(payload, segments=tuple(payload.segments))
+    self._finish(None, self.coding.records)
+    return payload
 
   @contextlib.contextmanager
   def _anchor_next_if_moved(self):
@@ -315,12 +348,13 @@ class Sender:
     1.0
     """
     def mine(changes: programs.DeviceChanges, snapshot: list, full: bool) -> list:
-      return part_records(self.plan, self.coding.parts, self._units, changes, snapshot, full)
+      return part_records(self.plan, self._step_coding.parts, self._units, changes, snapshot,
+                          full)
 
     with self._anchor_next_if_moved():
-      head, records = self._step(params, full, version, mine)
+      head, records = self._step(params, full, version, mine, choose=True)
       data = self._encode_part(head, records)
-    self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=len(data))
+    self._finish(len(data), self._step_coding.parts)
     return data
 
   def send_stream(self, params: PyTree, *, full: bool = False, version: int | None = None,
@@ -351,18 +385,18 @@ class Sender:
     """
     pieces, per_process = self._stream_pieces(chunk_bytes)
     head, (changes, snapshot, full) = self._step(params, full, version,
-                                                 lambda *stage: stage)
+                                                 lambda *stage: stage, choose=True)
     self._needs_anchor = True  # until the last part is out
+    coding = self._step_coding.parts
 
     def done(total: int) -> None:
       self._needs_anchor = False
-      self.last_stats = dataclasses.replace(self.last_stats, payload_bytes=total)
+      self._finish(total, coding)
 
     return self._part_stream(
         head, pieces, per_process,
-        lambda piece: part_records(self.plan, self.coding.parts, piece, changes, snapshot,
-                                   full),
-        done, None if full or self.coding.parts.format == Format.PACKED
+        lambda piece: part_records(self.plan, coding, piece, changes, snapshot, full),
+        done, None if full or coding.format == Format.PACKED
         else functools.partial(start_host_copies, changes))  # packed: the device packs
 
   def anchor_stream(self, *, chunk_bytes: int = 64 << 20) -> PartStream:
@@ -493,9 +527,9 @@ class Sender:
         self._snapshot_lost = self._needs_anchor = True
       raise
     new_bits = digest_bytes(digest)
-    head = PartHeader(self.coding.parts.format, Kind.ANCHOR if full else Kind.DELTA,
-                      self.coding.ranked and not full, self.version, version, self.digest,
-                      versioned_digest(new_bits, version), 0, 1)
+    head = PartHeader(self._step_coding.parts.format, Kind.ANCHOR if full else Kind.DELTA,
+                      self._step_coding.ranked and not full, self.version, version,
+                      self.digest, versioned_digest(new_bits, version), 0, 1)
     self.version, self._bits = version, new_bits  # the snapshot has moved: so do they
     counts = local_value(changes.delta.counts).astype(np.int64)
     overflowed = [] if full else np.flatnonzero(local_value(changes.delta.overflow)).tolist()
@@ -586,10 +620,10 @@ class _HostChanges:
 _TIMED_REPEATS = 2
 
 
-def timed_sync(coding: Coding, plan, old: Any, new: Any) -> tuple[float, int, int]:
-  """Best seconds of a send and a receive of ``old`` to ``new``, the payload bytes and the
-  changes."""
-  best, size, changes = float("inf"), 0, 0
+def timed_sync(coding: Coding, plan, old: Any, new: Any) -> tuple[float, int, auto.Update]:
+  """Best seconds of a send and a receive of ``old`` to ``new``, the payload bytes and what
+  the update changed (what ``auto.calibrate`` measures each coding by)."""
+  best, size, update = float("inf"), 0, None
   for _ in range(_TIMED_REPEATS + 1):  # the first compiles
     # Copies: a throwaway sender's diff and receiver's apply donate what they hold.
     sender = Sender(plan, jax.tree.map(jnp.copy, old), coding=coding)
@@ -599,6 +633,7 @@ def timed_sync(coding: Coding, plan, old: Any, new: Any) -> tuple[float, int, in
     data = sender.send(new)
     jax.block_until_ready(receiver.receive(data))
     best, size = min(best, time.perf_counter() - start), len(data)
-    changes = sender.last_stats.changed
+    stats = sender.last_stats
+    update = auto.Update(stats.changed, stats.elements, stats.overflowed_changes)
     del sender, receiver
-  return best, size, changes
+  return best, size, update

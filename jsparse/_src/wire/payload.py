@@ -90,10 +90,11 @@ class Coding(str, enum.Enum):
     ``POSITIONED``: no ranking on either side (the least device work of the small codings),
     but in position order gaps and codes pack less well than in class order (~1.7 B/change
     on a trained model's 1% step).
-  - ``AUTO``: per send, the one of the above that syncs fastest over the Sender's
-    ``link_gbit``, predicted from each coding's time on the sender's tree, measured at its
-    first delta (``sync/auto.py``); recorded in :attr:`SendStats.coding`. Parts and streams
-    carry ``RANKED``.
+  - ``AUTO``: per version, the one of the above that syncs fastest over the Sender's
+    ``link_gbit``, predicted from each coding's time on the sender's tree, measured on a
+    representative delta and again when the density moves (``sync/auto.py``); on payloads,
+    parts and streams alike; recorded in :attr:`SendStats.coding`. Anchors, and jobs of
+    several processes, carry ``RANKED``.
 
   >>> import jsparse
   >>> coding = jsparse.Coding("positioned")
@@ -126,7 +127,7 @@ class Coding(str, enum.Enum):
   @property
   def parts(self) -> "Coding":
     """The coding of this coding's parts and streams: its own (packed on the device for the
-    packed codings), ``RANKED`` for ``AUTO``."""
+    packed codings), ``RANKED`` for ``AUTO`` where it has not chosen (anchors)."""
     return Coding.RANKED if self is Coding.AUTO else self
 
 
