@@ -16,6 +16,12 @@ from jsparse.testing import assert_trees_bitwise_equal
 FIXED = tuple(c for c in Coding if c is not Coding.AUTO)
 
 
+@pytest.fixture(autouse=True)
+def own_calibrations(monkeypatch):
+  """Each test starts with no calibration of any plan, and leaves none to other tests."""
+  monkeypatch.setattr(auto, "_RATES", {})
+
+
 @pytest.fixture(scope="module")
 def run():
   """A tree, its plan, and the updates of a run: an RL step after each of the first two."""
@@ -46,12 +52,11 @@ def _bytes_per_step(plan, updates, coding, link_gbit=1e-3):
 
 
 @pytest.mark.parametrize("first", ["empty", "jolt"])
-def test_auto_follows_the_workload_not_a_degenerate_first_delta(run, first, monkeypatch):
+def test_auto_follows_the_workload_not_a_degenerate_first_delta(run, first):
   """Calibrated on an empty first delta or a jolt in which every segment overflows, then fed
   RL steps over a 1 Mbit/s link (bytes decide), auto sends within 1.1x of the smallest coding
   at every RL step."""
   plan, steps = run
-  monkeypatch.setattr(auto, "_RATES", {})  # no other sender's calibration of this plan
   start = steps[0] if first == "empty" else _jolt(steps[0])
   # The run: the start, the degenerate delta to steps[0], then RL steps from there.
   updates = [start, steps[0], *steps[1:]]
