@@ -106,6 +106,13 @@ class Segment:
   ordered: bool = False
 
   @property
+  def sparse_limit(self) -> int:
+    """The most changes a sparse record of this segment may carry: its size (a sender widens
+    its slots past the capacity when the changes outgrow it), or for a leaf split into blocks
+    its capacity (each block keeps its slots)."""
+    return self.size if self.blocks == 1 else self.capacity
+
+  @property
   def pooled(self) -> bool:
     return len(self.leaf_ids) > 1
 

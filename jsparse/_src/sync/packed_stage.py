@@ -277,7 +277,7 @@ def stage_streams(plan: Plan, flat: Sequence[jax.Array], body: packed.PackedBody
   for k, c in enumerate(chunks):
     ids = list(c.segment_ids)
     device = staging_device(replicated_on(flat[plan.segments[ids[0]].leaf_ids[0]]))
-    needed = programs.needed_level(plan, ids, counts)
+    needed = programs.needed_level(plan, ids, counts, lowest=programs.MIN_LEVEL)
     level = programs.SLOT_LEVELS.choose(programs.receiver_family(c, flat), needed)
     slots = programs.level_slots(plan, ids, level)
     starts = tuple(_block_starts(plan.segments[s].blocks, body.block_counts[s]) for s in ids)

@@ -236,13 +236,19 @@ def _unit_words(plan: Plan, unit: Unit, level: int) -> int:
   return chunk_words(uplan, programs.level_slots(uplan, (0,), level))
 
 
-def _unpacked(plan: Plan, unit: Unit, data: jax.Array, offsets: Sequence[int], count: int
-              ) -> tuple:
-  """``unit``'s keys (the segment's positions, in the unit's capacity of slots), ulp codes
-  and flag, unpacked from its streams ``data`` at word ``offsets`` on ``data``'s device."""
+def _key_slots(uplan: Plan, level: int) -> int:
+  """The slots a unit's keys are unpacked into at slot ``level``: its capacity, or more at a
+  level wider than it (a sender widened the diff)."""
+  return programs.level_slots(uplan, (0,), min(level, 0))[0]
+
+
+def _unpacked(plan: Plan, unit: Unit, data: jax.Array, offsets: Sequence[int], count: int,
+              level: int = 0) -> tuple:
+  """``unit``'s keys (the segment's positions, in :func:`_key_slots` slots), ulp codes and
+  flag, unpacked from its streams ``data`` at word ``offsets`` on ``data``'s device."""
   uplan = unit_plan(plan, unit)
   (keys,), (values,), ok = device_codes.unpack_program(
-      uplan, (uplan.segments[0].capacity,), data, np.asarray(offsets, np.int32),
+      uplan, (_key_slots(uplan, level),), data, np.asarray(offsets, np.int32),
       np.array([count], np.int32), (None,))
   if plan.segments[unit.segment].blocks > 1:
     keys = _segment_positions(*split_geometry(plan, unit), keys,
@@ -254,7 +260,7 @@ def _unpack_job(plan: Plan, unit: Unit, device, level: int) -> Callable[[], None
   """What compiles :func:`_unpacked` for ``unit`` on ``device`` with its streams in a buffer
   of slot ``level``."""
   uplan = unit_plan(plan, unit)
-  slots, on = uplan.segments[0].capacity, jax.sharding.SingleDeviceSharding(device)
+  slots, on = _key_slots(uplan, level), jax.sharding.SingleDeviceSharding(device)
   words = jax.ShapeDtypeStruct((_unit_words(plan, unit, level),), jnp.uint32, sharding=on)
   int32 = lambda n, sharding=None: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding)
 
@@ -299,14 +305,14 @@ def stage_unit(plan: Plan, unit: Unit, record: PackedRecord, staged: StagedRecor
   uplan = unit_plan(plan, unit)
   device = staged.device(unit.segment)
   family = _unpack_family(plan, unit, device)
-  needed = programs.needed_level(uplan, (0,), [record.count])
+  needed = programs.needed_level(uplan, (0,), [record.count], lowest=programs.MIN_LEVEL)
   level = programs.SLOT_LEVELS.choose(family, needed)
   words = _unit_words(plan, unit, level)
   check_fits(record.streams, words, f"{plan.describe_segment(unit.segment)}'s unit")
   data, (offsets,) = device_codes.aligned_streams([record.streams], words)
   with jax.default_device(device):
     keys, values, ok = _unpacked(plan, unit, jax.device_put(data, device), offsets,
-                                 record.count)
+                                 record.count, level)
   programs.SLOT_LEVELS.ran(family, level)
   request_unpacking(plan, unit, device, [needed, 0])
   staged.add_device(unit.segment, keys, values, record.count)

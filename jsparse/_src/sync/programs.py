@@ -208,15 +208,19 @@ def _relaid(targets: list) -> tuple | None:
   return None if all(t is None for t in targets) else tuple(targets)
 
 
-def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, *args: tuple) -> tuple:
+def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, width: int, *args: tuple
+             ) -> tuple:
   """:func:`sparse_program` of a chunk at the highest compiled slot level that holds its
   ``counts`` (see :class:`SlotLevels`), and ``(its family, that level, the level they
-  need)``; the level they need, if another, is added to ``requests``. ``args``: the chunk's
-  tables, positions, new and old bits."""
+  need)``; the level they need, if another, is added to ``requests``. ``width``: the slot
+  level its diff ran at (0: the capacity; below, widened), the widest it may need; ``args``:
+  the chunk's tables, positions, new and old bits."""
   ids = range(len(chunk.segment_ids))
-  needed = needed_level(chunk.plan, ids, counts[list(chunk.segment_ids)])
-  family = ("send", chunk.plan, tuple(t is None for t in args[0]), args[1][0].sharding)
-  level = SLOT_LEVELS.choose(family, needed)
+  within = np.minimum(counts[list(chunk.segment_ids)],
+                      level_slots(chunk.plan, ids, width))  # overflowed ones: dense
+  needed = needed_level(chunk.plan, ids, within, lowest=width)
+  family = ("send", chunk.plan, width, tuple(t is None for t in args[0]), args[1][0].sharding)
+  level = SLOT_LEVELS.choose(family, needed, base=width)
   SLOT_LEVELS.ran(family, level)
   if level != needed and SLOT_LEVELS.wanted(family, needed):
     slots, abstract = level_slots(chunk.plan, ids, needed), jax.tree.map(like, args)
@@ -226,14 +230,22 @@ def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, *args: tuple) -> 
           (family, level, needed))
 
 
-def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ranks: bool = True
+def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ranks: bool = True,
+                   widths: "DiffWidths | None" = None
                    ) -> tuple[DeviceChanges, list[jax.Array], jax.Array]:
   """The sender's device stage: (its changes, the next snapshot, its digest). ``snapshot`` is
-  donated. ``ranks=False`` skips ranking (an anchor needs none)."""
+  donated. ``ranks=False`` skips ranking (an anchor needs none). ``widths``: the sender's
+  :class:`DiffWidths` (each chunk's diff at its slot level; None: at the capacity)."""
   chunks = chunks_of(plan)
   targets = diff_targets(new, snapshot)
-  outs = [diff_program(c.plan, coding.ranked, c.leaves(snapshot), c.leaves(new), c.leaf_id_array,
-                       relaid=_relaid(c.leaves(targets))) for c in chunks]
+  families = [("diff", c.plan, coding.ranked, _relaid(c.leaves(targets)),
+               tuple(getattr(x, "sharding", None) for x in c.leaves(snapshot))) for c in chunks]
+  diff_levels = [widths.level(f) if widths is not None and ranks else 0 for f in families]
+  abstract = [(jax.tree.map(like, c.leaves(snapshot)), jax.tree.map(like, c.leaves(new)))
+              for c in chunks] if widths is not None and ranks else None
+  outs = [diff_program(widened(c.plan, w), coding.ranked, c.leaves(snapshot), c.leaves(new),
+                       c.leaf_id_array, relaid=_relaid(c.leaves(targets)))
+          for c, w in zip(chunks, diff_levels)]
   deltas = [o[0] for o in outs]
   delta = Delta(place_segments(plan, chunks, [d.indices for d in deltas]),
                 place_segments(plan, chunks, [d.values for d in deltas]),
@@ -246,8 +258,13 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
   ranks_out, levels = None, ()
   if ranks:  # a delta: its changes (and ranks) need only as many slots as this step's changes
     counts, requests = local_value(delta.counts), []
-    trimmed = [_trimmed(c, counts, requests, c.segments(tables), c.segments(delta.indices),
-                        c.segments(delta.values), c.segments(old_values)) for c in chunks]
+    trimmed = [_trimmed(c, counts, requests, w, c.segments(tables), c.segments(delta.indices),
+                        c.segments(delta.values), c.segments(old_values))
+               for c, w in zip(chunks, diff_levels)]
+    if widths is not None:
+      for c, family, (snap, fresh) in zip(chunks, families, abstract):
+        widths.follow(family, c.plan, counts[list(c.segment_ids)], requests,
+                      functools.partial(_diff_job, c, coding.ranked, snap, fresh, family[3]))
     for request in requests:  # once this call's programs are compiled
       SLOT_LEVELS.request(*request)
     levels = tuple(level for _, level in trimmed)
@@ -260,37 +277,169 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
           digest)
 
 
+def _diff_job(chunk: Chunk, ranked: bool, snapshot: list, new: list, relaid, level: int
+              ) -> Callable[[], None]:
+  """What compiles a chunk's :func:`diff_program` widened to ``level`` (abstract arrays), and
+  the :func:`sparse_program` its first call trims with (at that level: it holds any count)."""
+  def job() -> None:
+    compiled = diff_program.lower(widened(chunk.plan, level), ranked, snapshot, new,
+                                  chunk.leaf_id_array, relaid=relaid).compile()
+    out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                       compiled.out_info)
+    delta, old_values, _, tables = out[:4]
+    slots = level_slots(chunk.plan, range(len(chunk.segment_ids)), level)
+    sparse_program.lower(chunk.plan, slots, tuple(tables), tuple(delta.indices),
+                         tuple(delta.values), tuple(old_values)).compile()
+  return job
+
+
+class DiffWidths:
+  """How wide a sender's diff runs, chunk by chunk: ``capacity`` is where it starts, not a
+  ceiling. A chunk whose changes come within ``headroom`` of its slots (or overflow them) has
+  its diff widened for the next versions to twice that headroom, by slot levels below 0
+  (:func:`level_slots`), up to ``max_share`` of each segment's elements (beyond it the segment
+  is sent densely, about as small); one whose changes fall two levels below narrows again. A level is compiled in the background
+  (:class:`SlotLevels`) and used once compiled: a diff never waits for a compilation after the
+  first. Until then, changes over the slots are carried densely, exactly, as before.
+
+  Memory: a widened diff holds, per slot, an int32 position and the new and old bits (8 bytes
+  for a bf16 rollout): at ``max_share=0.5``, at most 2x the rollout bytes of the chunks it
+  widens, while the diff runs. Jobs of several processes keep the capacity (every process must
+  run the same shapes).
+  """
+
+  def __init__(self, max_share: float = 0.5, headroom: float = 1.5):
+    self.max_share, self.headroom = max_share, headroom
+    self._levels: dict[Any, int] = {}
+    self._wanted: dict[Any, int] = {}  # a level asked for, used once compiled
+
+  def level(self, family: Any) -> int:
+    """The slot level a chunk's diff runs at now (0: its capacity): the one it was asked to
+    move to, once that is compiled."""
+    wanted = self._wanted.get(family)
+    if wanted is not None and wanted in SLOT_LEVELS.ready(family):
+      self._levels[family] = self._wanted.pop(family)
+    return self._levels.get(family, 0)
+
+  def follow(self, family: Any, chunk_plan: Plan, counts: np.ndarray, requests: list,
+             job: Callable[[int], Callable[[], None]]) -> None:
+    """Moves the chunk's diff to the level its ``counts`` (times the headroom) need, if that
+    level is compiled; else asks for it in ``requests`` (``job(level)`` compiles it)."""
+    if jax.process_count() > 1:
+      return
+    ids = range(len(chunk_plan.segments))
+    widest = widest_level(chunk_plan, ids, self.max_share)
+    if widest == 0 and self.level(family) == 0:
+      return
+    split = np.array([seg.blocks > 1 for seg in chunk_plan.segments])
+    capacity = np.array([seg.capacity for seg in chunk_plan.segments])
+
+    def level_for(headroom: float) -> int:
+      want = np.ceil(np.asarray(counts, np.float64) * headroom)
+      want = np.where(split, np.minimum(want, capacity), want)  # split leaves never widen
+      return min(0, needed_level(chunk_plan, ids, want, lowest=widest))
+
+    now = self.level(family)
+    SLOT_LEVELS.ran(family, now)
+    # Near its slots (within the headroom) or over them: widen, with twice the headroom (a
+    # density that still rises stays sparse); far below them (two levels): narrow.
+    target = level_for(2 * self.headroom)
+    if level_for(self.headroom) >= now and target <= now + 1:
+      return
+    if target == now:
+      return
+    if target in SLOT_LEVELS.ready(family) or target == 0:
+      self._levels[family] = target
+      self._wanted.pop(family, None)
+    else:
+      self._wanted[family] = target
+      if SLOT_LEVELS.wanted(family, target):
+        requests.append((family, target, job(target)))
+
+
 # Slot levels: level k holds a segment's capacity times 2**(-k/2), down to an eighth. Steps of a
 # square root of 2 rather than halvings: above the last level, a chunk's slots exceed its
 # fullest segment's changes by at most 1.42x, not 2x (on the benchmark's 21M step, 1.65x its
 # changes in all rather than 2.22x), for at most 7 compiled variants instead of 4, compiled in
 # the background.
+#
+# Levels below 0 are *wider* than the capacity (its slots times 2**(-level/2), at most the
+# segment's size): a sender widens the diff of a chunk whose changes outgrow its capacity
+# (:class:`DiffWidths`), so that a dense step (a high learning rate, the first steps of a run)
+# is still coded sparsely; receivers size their slots the same way. A segment the trainer
+# splits into blocks keeps its capacity at every wider level.
 NUM_LEVELS = 7
+MIN_LEVEL = -40  # wider than any segment needs (2**20 times the capacity)
 _ROOT_HALF = (181, 256)  # 1/sqrt(2) to 8 bits, in integers: every process sizes alike
+_ROOT_TWO = (362, 256)  # sqrt(2), likewise
 
 
 def level_slots(plan: Plan, segment_ids: Sequence[int], level: int) -> tuple[int, ...]:
   """The slots of ``segment_ids`` at slot level ``level``: their capacities times
-  ``2**(-level/2)`` (rounded up, in integers).
+  ``2**(-level/2)`` (rounded up, in integers; at a level below 0, at most the segment's size,
+  and a segment split into blocks keeps its capacity).
 
   >>> import jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, capacity=0.1, bucket_size=1000)
-  >>> [level_slots(plan, [0], level)[0] for level in range(NUM_LEVELS)]
-  [100, 71, 50, 36, 25, 18, 13]
+  >>> [level_slots(plan, [0], level)[0] for level in range(-7, NUM_LEVELS)]
+  [1000, 800, 566, 400, 283, 200, 142, 100, 71, 50, 36, 25, 18, 13]
   """
-  halvings, odd = divmod(level, 2)
-  num, den = _ROOT_HALF if odd else (1, 1)
-  return tuple(-(-plan.segments[s].capacity * num // (den << halvings)) for s in segment_ids)
+  out = []
+  for s in segment_ids:
+    seg = plan.segments[s]
+    if level >= 0:
+      halvings, odd = divmod(level, 2)
+      num, den = _ROOT_HALF if odd else (1, 1)
+      out.append(-(-seg.capacity * num // (den << halvings)))
+    elif seg.blocks > 1:
+      out.append(seg.capacity)
+    else:
+      doublings, odd = divmod(-level, 2)
+      num, den = _ROOT_TWO if odd else (1, 1)
+      out.append(min(seg.size, -(-(seg.capacity << doublings) * num // den)))
+  return tuple(out)
 
 
-def needed_level(plan: Plan, segment_ids: Sequence[int], counts) -> int:
-  """The highest slot level (at most ``NUM_LEVELS - 1``) at which every one of
-  ``segment_ids`` holds its ``counts[s]`` changes."""
-  for level in range(NUM_LEVELS - 1, 0, -1):
+def needed_level(plan: Plan, segment_ids: Sequence[int], counts, lowest: int = 0) -> int:
+  """The highest slot level (at most ``NUM_LEVELS - 1``, at least ``lowest``) at which every
+  one of ``segment_ids`` holds its ``counts[s]`` changes (``lowest`` if none does)."""
+  for level in range(NUM_LEVELS - 1, lowest, -1):
     if all(int(counts[s]) <= n for s, n in zip(segment_ids, level_slots(plan, segment_ids,
                                                                         level))):
       return level
-  return 0
+  return lowest
+
+
+def widest_level(plan: Plan, segment_ids: Sequence[int], max_share: float) -> int:
+  """The widest level (at most 0) whose slots stay within ``max_share`` of every widenable
+  segment of ``segment_ids`` (0 when none widens): beyond it a segment is sent densely.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, capacity=0.1, bucket_size=1000)
+  >>> widest_level(plan, [0], 0.5), level_slots(plan, [0], widest_level(plan, [0], 0.5))
+  (-4, (400,))
+  """
+  level = 0
+  while level > MIN_LEVEL:
+    wider = level_slots(plan, segment_ids, level - 1)
+    now = level_slots(plan, segment_ids, level)
+    growing = [(s, n) for s, n, m in zip(segment_ids, wider, now) if n > m]
+    if not growing or any(n > max_share * plan.segments[s].size for s, n in growing):
+      return level
+    level -= 1
+  return level
+
+
+@functools.lru_cache(maxsize=256)
+def widened(plan: Plan, level: int) -> Plan:
+  """``plan`` with the capacity of each segment (not split into blocks) at slot ``level``
+  (``plan`` itself at level 0 or above): what a widened diff runs on."""
+  if level >= 0:
+    return plan
+  slots = level_slots(plan, range(len(plan.segments)), level)
+  return dataclasses.replace(plan, segments=tuple(
+      seg if seg.blocks > 1 else dataclasses.replace(seg, capacity=n)
+      for seg, n in zip(plan.segments, slots)))
 
 
 def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
@@ -366,16 +515,17 @@ class SlotLevels:
     self._lock = threading.Lock()
     self._idle = threading.Condition(self._lock)
 
-  def choose(self, family: Any, needed: int) -> int:
+  def choose(self, family: Any, needed: int, base: int = 0) -> int:
     """The level a call of ``family`` runs at when its changes need level ``needed``:
-    ``needed`` if compiled, else the highest compiled level below it; level 0 at a family's
-    first call."""
+    ``needed`` if compiled, else the highest compiled level below it; at a family's first
+    call, ``base`` (the widest it may need: level 0, the capacity, unless widened), or
+    ``needed`` if wider still."""
     if jax.process_count() > 1:
       return needed
     with self._lock:
       known = self._families.get(family)
       if known is None or not known.ready:
-        return 0
+        return min(base, needed)
     return max((level for level in self.ready(family) if level <= needed), default=needed)
 
   def ready(self, family: Any) -> set[int]:

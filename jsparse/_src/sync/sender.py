@@ -36,7 +36,7 @@ from jsparse._src.core.placement import commit_leaves, place_on_plan_layouts
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import ConfigError, VersionError
-from jsparse._src.options import int_option, typed_argument
+from jsparse._src.options import float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value, owned_units
 from jsparse._src.sync import auto, programs
@@ -124,6 +124,16 @@ class Sender:
       :attr:`SendStats.coding` and ``sync/auto.py``).
     link_gbit: the link's bandwidth in Gbit/s, for ``coding="auto"`` (an attribute: set it when
       the link changes).
+    max_capacity: how far a segment's slots may widen when its changes outgrow the plan's
+      ``capacity``, as a fraction of its elements (0, the default: they do not, and such a
+      segment is sent densely; e.g. 0.5: ``capacity`` is a starting point, and a dense step,
+      at a high learning rate or a run's first steps, is coded sparsely from the next
+      version on, up to half of a segment; beyond it the segment is sent densely, about as
+      small). A wider diff holds ~8 bytes per slot for a bf16 rollout while it runs (at 0.5:
+      at most 2x the rollout bytes of the segments it widens); its programs compile in the
+      background, and a packed coding's first widened version may compile on the calling
+      thread. Segments the trainer splits into blocks, and jobs of several processes, keep
+      the capacity. See ``programs.DiffWidths``.
 
   Raises:
     ConfigError: a bad option.
@@ -141,7 +151,11 @@ class Sender:
   @mesh_neutral
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0,
                anchor_every: int | None = None, coding: Coding | str = Coding.RANKED,
-               link_gbit: float = auto.DEFAULT_LINK_GBIT):
+               link_gbit: float = auto.DEFAULT_LINK_GBIT, max_capacity: float = 0.0):
+    self.max_capacity = float_option("max_capacity", max_capacity, minimum=0.0)
+    if self.max_capacity > 1.0:
+      raise ConfigError(f"max_capacity must be a fraction in [0, 1], got {max_capacity!r}")
+    self._widths = programs.DiffWidths(self.max_capacity)
     self.anchor_every = int_option("anchor_every", anchor_every, minimum=1, optional=True)
     self.coding = coding_option(coding)
     self._auto = auto.AutoCoding(link_gbit)  # the policy of coding="auto"
@@ -521,7 +535,7 @@ class Sender:
     old = self._snapshot
     try:
       changes, self._snapshot, digest = programs.sender_changes(
-          self.plan, self._step_coding, old, flat, ranks=not full)
+          self.plan, self._step_coding, old, flat, ranks=not full, widths=self._widths)
     except BaseException:
       if any(x.is_deleted() for x in old):  # donated: only an anchor from new params is exact
         self._snapshot_lost = self._needs_anchor = True

@@ -228,7 +228,7 @@ class StagedRecords:
     sizing = counts if slot_counts is None else np.asarray(slot_counts)
     slots, levels = [0] * len(self.plan.segments), []
     for c, family in zip(chunks_of(self.plan), self._families):
-      needed = programs.needed_level(self.plan, c.segment_ids, sizing)
+      needed = programs.needed_level(self.plan, c.segment_ids, sizing, lowest=programs.MIN_LEVEL)
       levels.append((programs.SLOT_LEVELS.choose(family, needed), needed, True))
       for s, n in zip(c.segment_ids, programs.level_slots(self.plan, c.segment_ids,
                                                           levels[-1][0])):

@@ -200,7 +200,7 @@ def _segment_table(plan: Plan, reader: Reader) -> list[tuple[Mode, int]]:
     if mode not in (Mode.EMPTY, Mode.DENSE, Mode.BY_RANK, Mode.BY_POSITION):
       raise PayloadError(f"{where}: unknown mode {mode}")
     expected = {Mode.DENSE: count == seg.size, Mode.EMPTY: count == 0}.get(
-        Mode(mode), 0 < count <= seg.capacity)
+        Mode(mode), 0 < count <= seg.sparse_limit)
     if not expected:
       raise PayloadError(f"{where}: a {Mode(mode).name} record of {count} elements (segment "
                          f"size {seg.size}, capacity {seg.capacity})")

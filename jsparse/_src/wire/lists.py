@@ -81,8 +81,9 @@ def _decode_segment(plan: Plan, reader: Reader, s: int) -> SegmentPayload:
     if count:
       raise PayloadError(f"{where}: empty record with count {count}")
     return SegmentPayload(Mode.EMPTY, np.zeros(0, np.int32), np.zeros(0, seg.bit_dtype))
-  if count > seg.capacity:
-    raise PayloadError(f"{where}: {count} changes exceed the capacity {seg.capacity}")
+  if count > seg.sparse_limit:
+    raise PayloadError(f"{where}: {count} changes exceed the {seg.sparse_limit} a sparse record "
+                       "of it may carry")
   if mode == Mode.LIST:
     per_chunk = reader.array(np.uint32, _num_chunks(seg.size), where)
     if int(per_chunk.sum(dtype=np.int64)) != count:

@@ -176,8 +176,8 @@ def _table(plan: Plan, kind: Kind, reader: Reader) -> tuple[list[Mode], np.ndarr
       problem = f"a dense record of {count} elements, the segment has {seg.size}"
     elif mode == Mode.EMPTY and count:
       problem = f"an empty record with {count} changes"
-    elif mode in sparse and not 0 < count <= seg.capacity:
-      problem = f"{count} changes, capacity {seg.capacity}"
+    elif mode in sparse and not 0 < count <= seg.sparse_limit:
+      problem = f"{count} changes, at most {seg.sparse_limit} in a sparse record"
     if problem:
       raise PayloadError(f"{plan.describe_segment(s)}: {problem}")
     modes.append(Mode(mode))

@@ -279,9 +279,9 @@ def check_record(plan: Plan, payload: Payload, s: int, part: SegmentPayload) -> 
   indices = part.indices
   if part.mode == Mode.EMPTY and len(indices):
     raise PayloadError(f"{where}: an empty record with {len(indices)} changes")
-  if len(indices) != len(part.values) or len(indices) > seg.capacity:
+  if len(indices) != len(part.values) or len(indices) > seg.sparse_limit:
     raise PayloadError(f"{where}: {len(indices)} indices, {len(part.values)} values, "
-                       f"capacity {seg.capacity}")
+                       f"at most {seg.sparse_limit} in a sparse record")
   if part.mode == Mode.BY_RANK and not seg.ordered:
     raise PayloadError(f"{where}: ranks in exponent order for a segment without that order")
   if len(indices) and (indices[0] < 0 or indices[-1] >= seg.size
