@@ -253,7 +253,11 @@ class StagedRecords:
       keys.append(key)
       values.append(value)
     self._blocks = [[] for _ in self.plan.segments]  # the slots hold them now
-    placed = replicated_copies(keys + values, self._shardings * 2)
+    # Committed to their devices however they were made (the empty slots of a segment without
+    # changes are not; those holding blocks unpacked on the device are): the programs after
+    # them see the same arguments whichever segments have changes, and compile once.
+    committed = jax.device_put(keys + values, list(self._devices) * 2)
+    placed = replicated_copies(committed, self._shardings * 2)
     return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), counts,
                           tuple(ranked), coded, tuple(levels),
                           functools.partial(compile_chunk_slots, self.plan,
