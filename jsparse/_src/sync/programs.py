@@ -554,7 +554,10 @@ class SlotLevels:
   def request(self, family: Any, level: int, job: Callable[[], None],
               config: Any = None) -> None:
     """Compiles ``level`` of ``family`` for ``config`` in the background with ``job()``, unless
-    it is compiled or compiling."""
+    it is compiled or compiling. The fallback level 0 of a config that ran at other levels
+    only (its first call came when the family had those compiled for other configs) is
+    compiled now, in this thread: the next call may need it at once, before the background
+    thread came to it."""
     if not self.wanted(family, level, config):
       return
     context = (jax.config.jax_default_device, jax.config.jax_enable_x64)  # this thread's
@@ -564,11 +567,15 @@ class SlotLevels:
       if level in pending:
         return
       pending.add(level)
-      self._jobs.append((family, config, level, job, context))
       self._unfinished += 1
-      if self._thread is None or not self._thread.is_alive():  # (not alive: after a fork)
-        self._thread = threading.Thread(target=self._run, name="jsparse-slot-levels")
-        self._thread.start()
+      now = level == 0 and bool(known.ready.get(config))
+      if not now:
+        self._jobs.append((family, config, level, job, context))
+        if self._thread is None or not self._thread.is_alive():  # (not alive: after a fork)
+          self._thread = threading.Thread(target=self._run, name="jsparse-slot-levels")
+          self._thread.start()
+    if now:
+      self._compile(family, config, level, job, context)
 
   def wait(self, timeout: float | None = None) -> bool:
     """Waits until every requested level is compiled (or ``timeout`` seconds); whether it is."""
@@ -586,19 +593,25 @@ class SlotLevels:
           self._thread = None
           self._idle.notify_all()
           return
-        family, config, level, job, (default_device, x64) = self._jobs.popleft()
-      try:  # in the context of the call (what jit's caches key on), not this thread's
-        with no_context_mesh(), jax.default_device(default_device), jax.enable_x64(x64):
-          job()
-      except Exception as e:  # noqa: BLE001 (the call compiles it then, as it would have)
-        logging.getLogger("jsparse").debug("jsparse: slot level %d not compiled ahead: %r",
-                                           level, e)
-      with self._lock:
-        known = self._families[family]
-        known.pending[config].discard(level)
-        known.ready.setdefault(config, set()).add(level)
-        self._unfinished -= 1
-        self._idle.notify_all()
+        job = self._jobs.popleft()
+      self._compile(*job)
+
+  def _compile(self, family: Any, config: Any, level: int, job: Callable[[], None],
+               context: tuple) -> None:
+    """Runs a requested ``job`` and records its level as compiled."""
+    default_device, x64 = context
+    try:  # in the context of the call (what jit's caches key on), not this thread's
+      with no_context_mesh(), jax.default_device(default_device), jax.enable_x64(x64):
+        job()
+    except Exception as e:  # noqa: BLE001 (the call compiles it then, as it would have)
+      logging.getLogger("jsparse").debug("jsparse: slot level %d not compiled ahead: %r",
+                                         level, e)
+    with self._lock:
+      known = self._families[family]
+      known.pending[config].discard(level)
+      known.ready.setdefault(config, set()).add(level)
+      self._unfinished -= 1
+      self._idle.notify_all()
 
 
 SLOT_LEVELS = SlotLevels()
