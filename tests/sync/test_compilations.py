@@ -204,3 +204,116 @@ def test_no_stream_after_the_first_compiles_on_a_model_like_tree(coding, placed)
   assert all(not c for c in compiled[1:]), f"compiled after the first sync: {compiled[1:]}"
   assert densities[1] > 2 * densities[0] > 8 * densities[2], densities
   assert receiver.last_read.parts > 1
+
+
+# The drift of a run at the default settings: 1%, then 4% (the denser matrix overflows its 5%
+# capacity: sent densely), 0.05% (the last slot level), a step with no change, 1% again.
+DEFAULT_DRIFT = (0.01, 0.04, 0.0005, 0.0, 0.01)
+
+
+def _drift_tree(rng, rows: int) -> dict:
+  """Two matrices (``gate`` changes 1.5x as often as ``up``; over 2**16 elements, so each its
+  own segment at the default ``bucket_size``), a bias near zero and a norm scale (pooled);
+  ``rows`` makes the shapes of one test's own (no program compiled before)."""
+  return {"up": 0.05 * rng.standard_normal((rows, 512), np.float32),
+          "gate": 0.05 * rng.standard_normal((rows, 512), np.float32),
+          "bias": 1e-4 * rng.standard_normal(512, np.float32),
+          "norm": 1 + 0.01 * rng.standard_normal(rows, np.float32)}
+
+
+def _drift_step(rng, params: dict, density: float) -> dict:
+  """About ``density`` of ``up``'s bf16 elements moved, 1.5x that of ``gate``'s, ten times
+  that of the small leaves' (at most all); none for ``density`` 0."""
+  def moved(name, x):
+    scale = 1.5 if name == "gate" else 1 if x.ndim == 2 else 10
+    return x + jnp.asarray(_moved(rng, np.asarray(x), min(1.0, scale * density)))
+  return {name: moved(name, x) for name, x in params.items()}
+
+
+def _on_mesh8(tree: dict) -> dict:
+  """``tree`` on 8 devices, its matrices split into blocks along their rows (as FSDP holds
+  them), the small leaves replicated."""
+  mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8])
+  return {k: jax.device_put(v, NamedSharding(mesh, P("fsdp", None) if v.ndim == 2 else P()))
+          for k, v in tree.items()}
+
+
+def _send_whole(sender, params):
+  return sender.send(params)
+
+
+def _receive_whole(receiver, data):
+  return receiver.receive(data)
+
+
+def _send_part(sender, params):
+  return [sender.send_part(params)]
+
+
+def _receive_parts(receiver, parts):
+  return receiver.receive_parts(parts)
+
+
+def _send_stream(sender, params):
+  return list(sender.send_stream(params, chunk_bytes=100_000))
+
+
+def _receive_stream(receiver, parts):
+  stream = receiver.open_stream()
+  for part in parts:
+    stream.add(part)
+  return stream.commit()
+
+
+PATHS = {"whole": (_send_whole, _receive_whole), "parts": (_send_part, _receive_parts),
+         "stream": (_send_stream, _receive_stream)}
+
+
+def _drift_run(send, receive, coding: str, placed, rows: int) -> list:
+  """Syncs :data:`DEFAULT_DRIFT` from a new sender to a new receiver of the default plan of a
+  :func:`_drift_tree` (``placed``), each step bit-exact; returns what each step after the first
+  compiled, on either side (``(step, side, programs)``)."""
+  rng = np.random.default_rng(7)
+  params = placed({k: jnp.asarray(v) for k, v in _drift_tree(rng, rows).items()})
+  plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+  sender = jsparse.Sender(plan, params, coding=coding)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  compiled, stats = [], []
+  for density in DEFAULT_DRIFT:
+    params = placed(_drift_step(rng, params, density))
+    start = len(_SYNC_COMPILES)
+    data = send(sender, params)
+    middle = len(_SYNC_COMPILES)
+    out = receive(receiver, data)
+    compiled.append((_SYNC_COMPILES[start:middle], _SYNC_COMPILES[middle:]))
+    stats.append(sender.last_stats)
+    assert_trees_bitwise_equal(out, plan.cast(params))
+  densities = [s.density for s in stats]
+  assert densities[1] > 2 * densities[0] > 8 * densities[2] > 0 == densities[3], densities
+  overflowed = [s.overflowed_segments for s in stats]
+  assert overflowed[1] and not any(overflowed[:1] + overflowed[2:]), overflowed
+  return [(step, side, names) for step, sides in enumerate(compiled[1:], 1)
+          for side, names in zip(("sender", "receiver"), sides) if names]
+
+
+@pytest.mark.parametrize("mesh", ["single", "mesh8"])
+def test_no_compile_after_the_first_sync_on_either_side_at_default_settings(mesh):
+  """At the default plan, for the default coding and ``packed``, through whole payloads, parts
+  and streams, each a run of its own: as the density drifts (1%, 4% with a segment over its
+  capacity, 0.05%, no change, 1%), neither side compiles in a sync after the first, without
+  waiting for the background thread between steps (its compilations are the mechanism; every
+  other thread's count). On one device, and with the matrices split over 8.
+
+  The runs share one tree, and one test: as in a process syncing through several paths and
+  codings, the programs they share compile once, and a run's first sync may find the slot
+  levels of other runs compiled, but not for its own programs. (Between tests the suite may
+  drop every compiled program, which the slot levels do not see: no shape here is another
+  test's, the two meshes' included.)"""
+  placed, rows = (_on_mesh8, 144) if mesh == "mesh8" else ((lambda tree: tree), 136)
+  late = {}
+  for path, (send, receive) in PATHS.items():
+    for coding in ("ranked", "packed"):
+      late[path, coding] = _drift_run(send, receive, coding, placed, rows)
+  assert programs.wait_for_slot_levels(timeout=600)
+  late = {run: steps for run, steps in late.items() if steps}
+  assert not late, f"compiled after the first sync, (path, coding): (step, side, programs): {late}"
