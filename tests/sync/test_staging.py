@@ -72,6 +72,7 @@ def test_a_receiving_stream_holds_no_decoded_records_between_parts():
   parts = list(sender.send_stream(new, chunk_bytes=1 << 18))
   decoded_bytes = 6 * sender.last_stats.changed
   stream = receiver.open_stream()
+  assert programs.wait_for_slot_levels(timeout=600)  # (their compilations allocate too)
   tracemalloc.start()
   for part in parts:
     stream.add(part)
