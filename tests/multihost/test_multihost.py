@@ -12,6 +12,7 @@ import pytest
 from jsparse.examples import multihost
 
 TIMEOUT = 300  # seconds per job
+FOUR_STEPS = 2  # training steps of the 4-process trainer (versions 2..3)
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +32,15 @@ def jobs(tmp_path_factory):
       "rollout", 1, 8, str(fsdp), ["--name", "restored", "--tensor", "2",
                                    "--restore-from", "rollout_state_two", "--chain"], timeout=TIMEOUT)
   four = tmp_path_factory.mktemp("trainer_4x2")
+  # Its own run of FOUR_STEPS steps (the anchor and deltas of versions 1-3, each checked by
+  # the rollout; the 2-process trainer's run covers the longer chain of versions).
+  steps4 = ["--steps", str(FOUR_STEPS)]
   reports["trainer4"] = multihost.launch(
       "trainer", 4, 2, str(four), ["--restore-sender", str(fsdp / "sender_state"),
-                                   "--coding", "packed"],  # its parts packed on the devices
+                                   "--coding", "packed", *steps4],  # parts packed on the devices
       timeout=TIMEOUT)
-  reports["after4"] = multihost.launch("rollout", 2, 4, str(four), ["--name", "after4"],
-                                       timeout=TIMEOUT)
+  reports["after4"] = multihost.launch("rollout", 2, 4, str(four),
+                                       ["--name", "after4", *steps4], timeout=TIMEOUT)
   quantized = tmp_path_factory.mktemp("trainer_fp8")  # FP8 rollout weights, per channel
   fp8 = ["--quantize", "fp8_per_channel", "--steps", "3"]
   reports["trainer_fp8"] = multihost.launch("trainer", 2, 4, str(quantized), fp8,
@@ -82,7 +86,7 @@ def test_rollouts_end_bit_identical_to_their_trainer(jobs, rollout):
   trainer = jobs["trainer4" if rollout == "after4" else "trainer"]
   assert {r["coding"] for r in trainer} == {"packed" if rollout == "after4" else "ranked"}
   for r in jobs[rollout]:
-    assert r["version"] == 6
+    assert r["version"] == (FOUR_STEPS + 1 if rollout == "after4" else 6)
     assert r["digest"] == trainer[0]["digest"]
 
 
