@@ -35,3 +35,11 @@ def _bounded_compiled_programs():
   """Keeps the session below the kernel's limit of memory maps (see the helper)."""
   yield
   release_compiled_programs_if_many()
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed
+def pytest_xdist_auto_num_workers(config):
+  """``-n auto`` (``bash run.sh test``): one worker per core, at most 4 (each worker is a JAX
+  process with 8 simulated devices; some tests start jobs of several processes)."""
+  del config
+  return max(1, min(4, len(os.sched_getaffinity(0))))
