@@ -22,7 +22,10 @@ def release_compiled_programs_if_many(limit: int = 20000) -> None:
   from pathlib import Path
 
   import jax
+
+  from jsparse._src.sync import staging
   maps = Path("/proc/self/maps")
   if maps.exists() and sum(1 for _ in maps.open()) > limit:
     jax.clear_caches()
+    staging.forget_compiled()  # what jsparse knew compiled is gone too
     gc.collect()

@@ -577,6 +577,14 @@ class SlotLevels:
     if now:
       self._compile(family, config, level, job, context)
 
+  def forget(self) -> None:
+    """Forgets every compiled level, once the background thread is idle: after
+    ``jax.clear_caches()``, which drops the programs themselves (each family's next call
+    runs at its base level again, compiling it, as at its first call)."""
+    self.wait()
+    with self._lock:
+      self._families.clear()
+
   def wait(self, timeout: float | None = None) -> bool:
     """Waits until every requested level is compiled (or ``timeout`` seconds); whether it is."""
     with self._idle:

@@ -91,6 +91,14 @@ BlockKind = tuple[int, bool]
 _COMPILED: set[tuple] = set()  # (slots, dtype, block kind, device) whose programs are compiled
 
 
+def forget_compiled() -> None:
+  """Forgets which slot levels and staging programs are compiled (``programs.SlotLevels`` and
+  this module's record of them): call it after ``jax.clear_caches()``, which drops the
+  programs, so that they are compiled ahead again rather than in a later sync."""
+  programs.SLOT_LEVELS.forget()
+  _COMPILED.clear()
+
+
 def compile_slots(plan: Plan, devices: Sequence, segment: int, slots: int,
                   kinds: Iterable[BlockKind] | None = None) -> None:
   """Compiles the staging's programs for ``slots`` slots of ``segment`` (staged on
