@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # jsparse's two entry points; each sets up everything it needs on a fresh machine.
 #   bash run.sh demo [--help | demo options]   the main job: train a small Flax model, sync it
-#   bash run.sh test [pytest options]          the test suite, one worker per core
+#   bash run.sh test [pytest options]          the test suite
 # `demo` installs jsparse with the demo's extra only (flax, optax, matplotlib, tqdm); `test`
 # installs the test extra (everything, the demo's extra included) into the same venv.
 # The virtual environment lives in .venv (override with JSPARSE_VENV); the interpreter is the
@@ -58,8 +58,10 @@ setup() {
 cmd="${1:-}"; shift || true
 case "$cmd" in
   demo) setup demo; exec "$venv/bin/python" -m jsparse.examples.demo "$@" ;;
-  # One worker per core (at most 4, tests/conftest.py), each test file whole on one worker (its
-  # module fixtures run once); -n 0 after `test` runs in this process.
-  test) setup test; exec "$venv/bin/python" -m pytest -n auto --dist loadfile "$@" ;;
+  # Serial by default: the multi-process scenarios time their rollouts against each other.
+  # `bash run.sh test -n auto --dist loadfile` runs the files on every core (at most 4 workers,
+  # tests/conftest.py; each file whole on one worker): ~20 min instead of ~40 on 2 cores, but
+  # under load a timed scenario may fail.
+  test) setup test; exec "$venv/bin/python" -m pytest "$@" ;;
   *) echo "usage: bash run.sh demo|test [options]" >&2; exit 2 ;;
 esac
