@@ -298,14 +298,17 @@ class DiffWidths:
   ceiling. A chunk whose changes come within ``headroom`` of its slots (or overflow them) has
   its diff widened for the next versions to twice that headroom, by slot levels below 0
   (:func:`level_slots`), up to ``max_share`` of each segment's elements (beyond it the segment
-  is sent densely, about as small); one whose changes fall two levels below narrows again. A level is compiled in the background
-  (:class:`SlotLevels`) and used once compiled: a diff never waits for a compilation after the
-  first. Until then, changes over the slots are carried densely, exactly, as before.
+  is sent densely, about as small); one whose changes fall two levels below narrows again. A
+  level is compiled in the background (:class:`SlotLevels`) and used once compiled: a diff
+  never waits for a compilation after the first. Until then, changes over the slots are
+  carried densely, exactly, as before.
 
-  Memory: a widened diff holds, per slot, an int32 position and the new and old bits (8 bytes
-  for a bf16 rollout): at ``max_share=0.5``, at most 2x the rollout bytes of the chunks it
-  widens, while the diff runs. Jobs of several processes keep the capacity (every process must
-  run the same shapes).
+  Memory: a widened diff's outputs hold, per slot, an int32 position and the new and old bits
+  (8 bytes for a bf16 rollout), and its compaction's temporaries grow with the slots too.
+  Compiled (``memory_analysis``), the diff of one 131,072-element bf16 segment takes 1.0 MB
+  (temporaries and outputs) at the default 5% capacity and 2.9 MB widened to 40%: 11x the
+  segment's 262 KB of rollout bytes, while the diff runs. Jobs of several processes keep the
+  capacity (every process must run the same shapes).
   """
 
   def __init__(self, max_share: float = 0.5, headroom: float = 1.5):
@@ -345,8 +348,6 @@ class DiffWidths:
     # density that still rises stays sparse); far below them (two levels): narrow.
     target = level_for(2 * self.headroom)
     if level_for(self.headroom) >= now and target <= now + 1:
-      return
-    if target == now:
       return
     if target in SLOT_LEVELS.ready(family) or target == 0:
       self._levels[family] = target
