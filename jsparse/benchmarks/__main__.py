@@ -4,7 +4,9 @@ On a realistic update (a ~21M-parameter TinyLM pretrained for 300 AdamW steps, t
 AdamW steps at lr 1e-6 on fp32 masters, bf16 rollout; the method table is for the step whose
 density is closest to 1%) it prints: payload bytes, encode and apply times and
 compiled memory of the sync, and the bytes per change of every coding at every step
-(``--only sync``); XLA's cost model of one sync per coding, bytes accessed by the device
+(``--only sync``); bytes per change at learning rates 1e-6, 1e-5 and 3e-5 and after a jolt,
+at the default settings against ``capacity=1.0``, static slots and dense (``--only density``);
+XLA's cost model of one sync per coding, bytes accessed by the device
 programs of each side against the same for a compare-and-count and a dense copy, on that step
 and on a 250M-parameter tree (``--only costs``); the disk bytes and save times of full Orbax
 checkpoints against a delta chain (``--only storage``), and the end-to-end sync time per step
@@ -49,7 +51,8 @@ QUICK = dict(dim=128, depth=1, vocab=1024, steps=4, pretrain_steps=30, repeats=2
              leaf_counts=[8], threads=[1, 2], scale_params=[3_000_000],
              scale_width=512, scale_stages=False, device_params=3_000_000,
              host_rate_params=0, cost_params=0)
-PARTS = ("sync", "costs", "storage", "link", "scale", "memory", "quantized", "tunix", "device")
+PARTS = ("sync", "density", "costs", "storage", "link", "scale", "memory", "quantized", "tunix",
+         "device")
 SCHEMA = 1  # the JSON file's layout version
 
 
@@ -182,6 +185,8 @@ def _tables(args: argparse.Namespace) -> list[str]:
   names.append("workload")
   if only in (None, "sync", "scale"):
     names += ["sync", "codings"]
+  if only in (None, "density"):
+    names.append("density")
   if only in (None, "costs"):
     names.append("costs")
     if args.cost_params:
@@ -291,6 +296,13 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
     with table("codings"):
       results["codings"] = bytes_by_coding(plan, states)
       print_bytes_by_coding(results["codings"])
+  if args.only in (None, "density"):
+    from jsparse.benchmarks import density
+    with table("density"):
+      runs = density.lr_runs(cfg, steps=min(args.steps, 4))
+      runs["jolt"] = density.jolted(runs[f"lr {density.LEARNING_RATES[0]:g}"])
+      results["density"] = density.density_sweep(plan, runs)
+      density.print_density_sweep(results["density"])
   if args.only in (None, "costs"):
     step = (results["sync"]["step"] if "sync" in results
             else sync.one_percent_step(sync.per_step_sizes(plan, states)))

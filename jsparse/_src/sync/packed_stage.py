@@ -178,15 +178,18 @@ def pack_chunks(plan: Plan, changes: DeviceChanges, full: bool, ranked: bool) ->
             counts[ids].astype(np.int32), _replicated(block_counts))
     ran = bool(counts[ids].sum())
     if changes.levels:  # compiled at its level by the call, or in the background: the one
-      # its changes need and level 0, as ``sparse_program``'s (the same family)
-      family, level, needed = changes.levels[k]
-      config = ("pack", ranked)
+      # its changes need and the fallback (the diff's width), as ``sparse_program``'s (the
+      # same family), and the level the diff moves to before it moves there
+      family, level, needed, ahead = changes.levels[k]
+      config, base = ("pack", ranked), family[2]
       if ran:
         programs.SLOT_LEVELS.ran(family, level, config)
-      for wanted in sorted({needed, 0, level} - ({level} if ran else set())):
+      for wanted in sorted({needed, base, level} - ({level} if ran else set())):
         if programs.SLOT_LEVELS.wanted(family, wanted, config):
           requests.append((family, wanted, _pack_job(c, ranked, by_rank, wanted, args),
-                           config))
+                           config, base))
+      if ahead is not None and programs.SLOT_LEVELS.wanted(*ahead, config):
+        requests.append((*ahead, _pack_job(c, ranked, by_rank, ahead[1], args), config, None))
     launched.append(device_codes.pack_program(c.plan, ranked, *args) if ran else None)
   for request in requests:  # once this call's programs are dispatched
     programs.SLOT_LEVELS.request(*request)

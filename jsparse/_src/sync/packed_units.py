@@ -184,18 +184,21 @@ def _chunk_of(plan: Plan) -> dict[int, int]:
 def _pack_requests(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
                    launched: bool) -> list:
   """The slot levels of ``unit``'s pack programs to compile in the background
-  (``programs.SlotLevels``): those its chunk needs and level 0, and the one it ran at if it
-  had no change (so none was compiled). Its programs are a config of the chunk's family: a
+  (``programs.SlotLevels``): those its chunk needs and its fallback (the diff's width), the
+  one it ran at if it had no change (so none was compiled), and the one its diff moves to. Its programs are a config of the chunk's family: a
   level serves once they are compiled for it too."""
   if not changes.levels:
     return []
-  family, level, needed = changes.levels[_chunk_of(plan)[unit.segment]]
-  config = ("pack-unit", ranked, unit)
+  family, level, needed, ahead = changes.levels[_chunk_of(plan)[unit.segment]]
+  config, base = ("pack-unit", ranked, unit), family[2]
   if launched:
     programs.SLOT_LEVELS.ran(family, level, config)
-  return [(family, wanted, _pack_job(plan, unit, changes, ranked, wanted), config)
-          for wanted in sorted({needed, 0, level} - ({level} if launched else set()))
-          if programs.SLOT_LEVELS.wanted(family, wanted, config)]
+  requests = [(family, wanted, _pack_job(plan, unit, changes, ranked, wanted), config, base)
+              for wanted in sorted({needed, base, level} - ({level} if launched else set()))
+              if programs.SLOT_LEVELS.wanted(family, wanted, config)]
+  if ahead is not None and programs.SLOT_LEVELS.wanted(*ahead, config):
+    requests.append((*ahead, _pack_job(plan, unit, changes, ranked, ahead[1]), config, None))
+  return requests
 
 
 def unit_records(plan: Plan, ranked: bool, units: Sequence[Unit],
@@ -237,9 +240,13 @@ def _unit_words(plan: Plan, unit: Unit, level: int) -> int:
 
 
 def _key_slots(uplan: Plan, level: int) -> int:
-  """The slots a unit's keys are unpacked into at slot ``level``: its capacity, or more at a
-  level wider than it (a sender widened the diff)."""
-  return programs.level_slots(uplan, (0,), min(level, 0))[0]
+  """The slots a unit's keys are unpacked into at slot ``level``: its capacity, or at a level
+  wider than it (a sender widened the diff) those of the widest level a receiver expects
+  (:func:`~programs.receiver_widest`), or of ``level`` if wider still. Two sizes, whatever the
+  level: the programs that stage them compile for each size ahead."""
+  if level >= 0:
+    return uplan.segments[0].capacity
+  return programs.level_slots(uplan, (0,), min(level, programs.receiver_widest(uplan)))[0]
 
 
 def _unpacked(plan: Plan, unit: Unit, data: jax.Array, offsets: Sequence[int], count: int,
@@ -286,9 +293,17 @@ def request_unpacking(plan: Plan, unit: Unit, device, levels: Sequence[int]) -> 
 def expect_unit(plan: Plan, unit: Unit, staged: StagedRecords) -> None:
   """For a sparse unit without changes in a delta (empty, or dense): what unpacks and stages
   its changes in a later version is compiled ahead, in the background (its fallback level)."""
-  device = staged.device(unit.segment)
-  staged.expect_device(unit.segment, unit_plan(plan, unit).segments[0].capacity)
-  request_unpacking(plan, unit, device, [0])
+  _expect_levels(plan, unit, staged, [0, programs.receiver_widest(unit_plan(plan, unit))])
+
+
+def _expect_levels(plan: Plan, unit: Unit, staged: StagedRecords, levels: Sequence[int]
+                   ) -> None:
+  """Compiles ahead, in the background, what unpacks ``unit``'s changes at each of ``levels``
+  and stages their blocks (their keys come in :func:`_key_slots` of the level)."""
+  uplan = unit_plan(plan, unit)
+  for level in set(levels):
+    staged.expect_device(unit.segment, _key_slots(uplan, level))
+  request_unpacking(plan, unit, staged.device(unit.segment), levels)
 
 
 def stage_unit(plan: Plan, unit: Unit, record: PackedRecord, staged: StagedRecords
@@ -314,6 +329,6 @@ def stage_unit(plan: Plan, unit: Unit, record: PackedRecord, staged: StagedRecor
     keys, values, ok = _unpacked(plan, unit, jax.device_put(data, device), offsets,
                                  record.count, level)
   programs.SLOT_LEVELS.ran(family, level)
-  request_unpacking(plan, unit, device, [needed, 0])
+  _expect_levels(plan, unit, staged, [needed, 0, programs.receiver_widest(uplan)])
   staged.add_device(unit.segment, keys, values, record.count)
   return ok

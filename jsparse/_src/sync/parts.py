@@ -134,6 +134,15 @@ class PartsRead:
   stats: ReadStats
 
 
+def dense_segments(plan: Plan, read: PartsRead) -> tuple[bool, ...]:
+  """Per segment, whether a delta's parts carried a unit of it that this process read densely
+  (its sender may widen next: ``programs.widens``); none for an anchor."""
+  if read.header.kind != Kind.DELTA:
+    return ()
+  dense = {unit.segment for unit, _ in read.dense}
+  return tuple(s in dense for s in range(len(plan.segments)))
+
+
 class PartsReader:
   """Reads one version's parts as they arrive (:meth:`add`), then checks them as one version
   (:meth:`finish`). Each part's index is checked and the unit bodies this process needs are

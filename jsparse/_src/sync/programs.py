@@ -28,7 +28,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
+import math
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -63,7 +65,10 @@ class DeviceChanges(NamedTuple):
     block_counts: per segment, ``int32[blocks]`` changes per trainer block of a split leaf
       (None for the others).
     levels: per chunk, ``(its family in SLOT_LEVELS, the slot level of its slots, the level its
-      changes need)`` (see :class:`SlotLevels`); empty for an anchor.
+      changes need, ahead)`` (see :class:`SlotLevels`); empty for an anchor. ``ahead``: None,
+      or ``(key, level)`` when the chunk's diff is widening or narrowing to slot ``level``
+      (:class:`DiffWidths`): what codes its changes at that level is compiled under ``key``
+      before the diff moves there.
   """
 
   delta: Delta
@@ -91,6 +96,8 @@ class ReceiverInputs(NamedTuple):
     staging: which stage made them (``"records"``: ``staging.py`` from the host; ``"units"``:
       ``staging.py`` from the units of packed parts, unpacked on the device; ``"packed"``:
       ``packed_stage.py``): their programs are compiled for each.
+    dense: per segment, whether the delta carried it densely (its sender may widen next);
+      empty: none, or unknown.
   """
 
   keys: tuple
@@ -101,6 +108,7 @@ class ReceiverInputs(NamedTuple):
   levels: tuple = ()
   compile_staging: Callable[[int, tuple[int, ...]], None] | None = None
   staging: str = "records"
+  dense: tuple = ()
 
 
 def cast_flat(plan: Plan, flat: list) -> list[jax.Array]:
@@ -147,6 +155,22 @@ def _placed(x: jax.Array, sharding: NamedSharding) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _relaid_new(plan: Plan, new: list, relaid: tuple | None) -> list:
+  """Inside a program: ``new`` with each leaf ``relaid`` names cast and laid out as named."""
+  if relaid is None:
+    return new
+  return [x if target is None else _placed(x.astype(leaf.rollout_dtype), target)
+          for x, target, leaf in zip(new, relaid, plan.leaves)]
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames="relaid")
+def counts_program(plan: Plan, snapshot: list, new: list, *, relaid: tuple | None = None
+                   ) -> jax.Array:
+  """A chunk's changes per segment, as its :func:`diff_program` counts them, the snapshot not
+  donated: what a sender's first delta sizes its diff's slots by (:class:`DiffWidths`)."""
+  return diff_flat_with_old(plan, snapshot, _relaid_new(plan, new, relaid))[0].counts
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="relaid",
                    donate_argnums=2)
 def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: jax.Array, *,
@@ -156,9 +180,7 @@ def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: 
   snapshot is donated. ``relaid``: per leaf, the snapshot's sharding where ``new`` is laid out
   otherwise (a leaf the plan holds whole, as a train step may split it), else None: such a leaf
   is cast and gathered here, so the next snapshot keeps the snapshot's layout."""
-  if relaid is not None:
-    new = [x if target is None else _placed(x.astype(leaf.rollout_dtype), target)
-           for x, target, leaf in zip(new, relaid, plan.leaves)]
+  new = _relaid_new(plan, new, relaid)
   delta, old_values, block_counts = diff_flat_with_old(plan, snapshot, new)
   tables = tuple(_tables(plan, seg, snapshot) if ranked and seg.ordered else None
                  for seg in plan.segments)
@@ -208,8 +230,8 @@ def _relaid(targets: list) -> tuple | None:
   return None if all(t is None for t in targets) else tuple(targets)
 
 
-def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, width: int, *args: tuple
-             ) -> tuple:
+def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, width: int, coding: Coding,
+             *args: tuple) -> tuple:
   """:func:`sparse_program` of a chunk at the highest compiled slot level that holds its
   ``counts`` (see :class:`SlotLevels`), and ``(its family, that level, the level they
   need)``; the level they need, if another, is added to ``requests``. ``width``: the slot
@@ -219,15 +241,22 @@ def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, width: int, *args
   within = np.minimum(counts[list(chunk.segment_ids)],
                       level_slots(chunk.plan, ids, width))  # overflowed ones: dense
   needed = needed_level(chunk.plan, ids, within, lowest=width)
-  family = ("send", chunk.plan, width, tuple(t is None for t in args[0]), args[1][0].sharding)
+  # Per coding: what runs after it (a packed coding's packing) compiles with its levels.
+  family = ("send", chunk.plan, width, coding, tuple(t is None for t in args[0]),
+            args[1][0].sharding)
   level = SLOT_LEVELS.choose(family, needed, base=width)
   SLOT_LEVELS.ran(family, level)
   if level != needed and SLOT_LEVELS.wanted(family, needed):
     slots, abstract = level_slots(chunk.plan, ids, needed), jax.tree.map(like, args)
     requests.append((family, needed, lambda: sparse_program.lower(chunk.plan, slots,
-                                                                  *abstract).compile()))
+                                                                  *abstract).compile(),
+                     None, width))
   return (sparse_program(chunk.plan, level_slots(chunk.plan, ids, level), *args),
           (family, level, needed))
+
+
+DEFAULT_MAX_CAPACITY = 1.0  # how far a segment's slots widen, by default: its whole size
+WIDEN_HEADROOM = 1.5  # a diff widens when its changes come within this of its slots
 
 
 def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ranks: bool = True,
@@ -240,9 +269,15 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
   targets = diff_targets(new, snapshot)
   families = [("diff", c.plan, coding.ranked, _relaid(c.leaves(targets)),
                tuple(getattr(x, "sharding", None) for x in c.leaves(snapshot))) for c in chunks]
-  diff_levels = [widths.level(f) if widths is not None and ranks else 0 for f in families]
   abstract = [(jax.tree.map(like, c.leaves(snapshot)), jax.tree.map(like, c.leaves(new)))
-              for c in chunks] if widths is not None and ranks else None
+              for c in chunks] if widths is not None else None
+  requests = []
+  jobs = [functools.partial(_diff_job, c, coding.ranked, snap, fresh, family[3])
+          for c, family, (snap, fresh) in zip(chunks, families, abstract)] if abstract else ()
+  counts_of = lambda c: lambda: local_value(counts_program(
+      c.plan, c.leaves(snapshot), c.leaves(new), relaid=_relaid(c.leaves(targets))))
+  diff_levels = [widths.start((f, coding), c.plan, ranks, counts_of(c))
+                 for c, f in zip(chunks, families)] if jobs else [0] * len(chunks)
   outs = [diff_program(widened(c.plan, w), coding.ranked, c.leaves(snapshot), c.leaves(new),
                        c.leaf_id_array, relaid=_relaid(c.leaves(targets)))
           for c, w in zip(chunks, diff_levels)]
@@ -257,22 +292,22 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
   digest = sum_digests([o[5] for o in outs])
   ranks_out, levels = None, ()
   if ranks:  # a delta: its changes (and ranks) need only as many slots as this step's changes
-    counts, requests = local_value(delta.counts), []
-    trimmed = [_trimmed(c, counts, requests, w, c.segments(tables), c.segments(delta.indices),
+    counts = local_value(delta.counts)
+    trimmed = [_trimmed(c, counts, requests, w, coding, c.segments(tables),
+                        c.segments(delta.indices),
                         c.segments(delta.values), c.segments(old_values))
                for c, w in zip(chunks, diff_levels)]
-    if widths is not None:
-      for c, family, (snap, fresh) in zip(chunks, families, abstract):
-        widths.follow(family, c.plan, counts[list(c.segment_ids)], requests,
-                      functools.partial(_diff_job, c, coding.ranked, snap, fresh, family[3]))
-    for request in requests:  # once this call's programs are compiled
-      SLOT_LEVELS.request(*request)
-    levels = tuple(level for _, level in trimmed)
+    aheads = [widths.follow((family, coding), c.plan, counts[list(c.segment_ids)], requests,
+                            job)
+              for c, family, job in zip(chunks, families, jobs)] if jobs else [None] * len(chunks)
+    levels = tuple((*level, ahead) for (_, level), ahead in zip(trimmed, aheads))
     indices, values, old_values, ranks_out = (
         place_segments(plan, chunks, [[seg[k] for seg in out] for out, _ in trimmed])
         for k in range(4))
     delta = delta._replace(indices=indices, values=values)
     ranks_out = ranks_out if coding.ranked else None
+  for request in requests:  # once this call's programs are compiled
+    SLOT_LEVELS.request(*request)
   return (DeviceChanges(delta, old_values, ranks_out, block_counts, levels), next_snapshot,
           digest)
 
@@ -295,67 +330,112 @@ def _diff_job(chunk: Chunk, ranked: bool, snapshot: list, new: list, relaid, lev
 
 class DiffWidths:
   """How wide a sender's diff runs, chunk by chunk: ``capacity`` is where it starts, not a
-  ceiling. A chunk whose changes come within ``headroom`` of its slots (or overflow them) has
-  its diff widened for the next versions to twice that headroom, by slot levels below 0
-  (:func:`level_slots`), up to ``max_share`` of each segment's elements (beyond it the segment
-  is sent densely, about as small); one whose changes fall two levels below narrows again. A
-  level is compiled in the background (:class:`SlotLevels`) and used once compiled: a diff
-  never waits for a compilation after the first. Until then, changes over the slots are
-  carried densely, exactly, as before.
+  ceiling. A chunk's first delta counts its changes first and runs at the slot level that
+  holds them with twice the headroom (the first sync compiles in any case; a run's first
+  steps change the most).
+  After each delta, a chunk whose changes come within ``headroom`` of its slots (or overflow
+  them) has its diff widened for the next versions to twice that headroom, by slot levels
+  below 0 (:func:`level_slots`), up to ``max_share`` of each segment (:func:`widest_level`);
+  one whose changes fall two levels below narrows again, down to the capacity (level 0). A
+  level is compiled in the background (:class:`SlotLevels`), with what codes the changes at
+  it, and used from the second sync after it is compiled (a receiver asks for its own
+  programs of that level when it applies the version that made the sender ask: it gets a step
+  to compile them): a diff never waits for a compilation after the first. Until then the level it runs at serves; changes over its slots (a density that
+  jumps past twice the headroom in one step) are carried densely, exactly, once. Past
+  ``max_share`` a segment is sent densely.
 
   Memory: a widened diff's outputs hold, per slot, an int32 position and the new and old bits
-  (8 bytes for a bf16 rollout), and its compaction's temporaries grow with the slots too.
-  Compiled (``memory_analysis``), the diff of one 131,072-element bf16 segment takes 1.0 MB
-  (temporaries and outputs) at the default 5% capacity and 2.9 MB widened to 40%: 11x the
-  segment's 262 KB of rollout bytes, while the diff runs. Jobs of several processes keep the
-  capacity (every process must run the same shapes).
+  (8 bytes per slot for a bf16 rollout: at most ``4 * max_share`` times the rollout bytes of
+  the widened chunks, while a sync's device stage runs), and its compaction's temporaries
+  grow with the slots too. Compiled (``memory_analysis``), the diff of one 131,072-element
+  bf16 segment takes 1.0 MB (temporaries and outputs) at the default 5% capacity, 2.6 MB
+  widened to 14%, 2.9 MB to 40% and 3.0 MB to the whole segment: 3.9x to 11.6x its 262 KB
+  of rollout bytes. ``Sender(max_capacity=)`` caps the share. Jobs of several processes keep
+  the capacity (every process must run the same shapes).
   """
 
-  def __init__(self, max_share: float = 0.5, headroom: float = 1.5):
+  def __init__(self, max_share: float = DEFAULT_MAX_CAPACITY, headroom: float = WIDEN_HEADROOM):
     self.max_share, self.headroom = max_share, headroom
     self._levels: dict[Any, int] = {}
     self._wanted: dict[Any, int] = {}  # a level asked for, used once compiled
+    self._armed: dict[Any, int] = {}  # a level compiled by the last sync: used from this one
 
-  def level(self, family: Any) -> int:
-    """The slot level a chunk's diff runs at now (0: its capacity): the one it was asked to
-    move to, once that is compiled."""
-    wanted = self._wanted.get(family)
-    if wanted is not None and wanted in SLOT_LEVELS.ready(family):
-      self._levels[family] = self._wanted.pop(family)
-    return self._levels.get(family, 0)
+  def start(self, key: tuple, chunk_plan: Plan, delta: bool,
+            counts: Callable[[], np.ndarray]) -> int:
+    """The slot level a chunk's diff runs at in this sync (:meth:`level`); ``key``: the
+    diff's family in :data:`SLOT_LEVELS` and the step's coding. A sender's first delta runs
+    at the level its changes need, ``counts()`` per segment, with twice the headroom (a
+    counting pass first: the first sync compiles in any case); a coding's first delta after that (``"auto"`` chose another)
+    at the capacity, compiled ahead by the choice's calibration; an anchor at the capacity."""
+    if jax.process_count() > 1 or not delta:
+      return 0
+    if key not in self._levels:
+      self._levels[key] = 0 if self._levels else self._level_for(
+          chunk_plan, counts(), 2 * self.headroom)
+    armed = self._armed.pop(key, None)
+    if armed is not None:  # compiled by the last sync
+      self._levels[key] = armed
+      if self._wanted.get(key) == armed:
+        del self._wanted[key]
+    wanted = self._wanted.get(key)
+    if (wanted is not None and wanted in SLOT_LEVELS.ready(key[0])
+        and not SLOT_LEVELS.compiling(ahead_key(key), wanted)):
+      # Compiled: it moves at the next sync, so that a receiver, which asked for its own
+      # programs of that level a little later, has had a step to compile them too.
+      self._armed[key] = wanted
+    return self.level(key)
 
-  def follow(self, family: Any, chunk_plan: Plan, counts: np.ndarray, requests: list,
-             job: Callable[[int], Callable[[], None]]) -> None:
-    """Moves the chunk's diff to the level its ``counts`` (times the headroom) need, if that
-    level is compiled; else asks for it in ``requests`` (``job(level)`` compiles it)."""
+  def level(self, key: tuple) -> int:
+    """The slot level a chunk's diff runs at now (0: its capacity)."""
+    return self._levels.get(key, 0)
+
+  def follow(self, key: tuple, chunk_plan: Plan, counts: np.ndarray, requests: list,
+             job: Callable[[int], Callable[[], None]]) -> tuple | None:
+    """Moves the chunk's diff to the level its ``counts`` (times the headroom) need: asks for
+    it in ``requests`` (``job(level)`` compiles it), to run from the next sync once compiled.
+    Returns None, or ``(ahead key, level)`` while the diff is moving to another level: what
+    codes the changes at that level compiles under that key (``ahead`` in
+    :class:`DeviceChanges`) before the diff moves."""
     if jax.process_count() > 1:
-      return
-    ids = range(len(chunk_plan.segments))
-    widest = widest_level(chunk_plan, ids, self.max_share)
-    if widest == 0 and self.level(family) == 0:
-      return
-    split = np.array([seg.blocks > 1 for seg in chunk_plan.segments])
-    capacity = np.array([seg.capacity for seg in chunk_plan.segments])
-
-    def level_for(headroom: float) -> int:
-      want = np.ceil(np.asarray(counts, np.float64) * headroom)
-      want = np.where(split, np.minimum(want, capacity), want)  # split leaves never widen
-      return min(0, needed_level(chunk_plan, ids, want, lowest=widest))
-
-    now = self.level(family)
+      return None
+    family, now = key[0], self.level(key)
+    if now == 0 and widest_level(chunk_plan, range(len(chunk_plan.segments)),
+                                 self.max_share) == 0:
+      return None
     SLOT_LEVELS.ran(family, now)
     # Near its slots (within the headroom) or over them: widen, with twice the headroom (a
     # density that still rises stays sparse); far below them (two levels): narrow.
-    target = level_for(2 * self.headroom)
-    if level_for(self.headroom) >= now and target <= now + 1:
-      return
-    if target in SLOT_LEVELS.ready(family) or target == 0:
-      self._levels[family] = target
-      self._wanted.pop(family, None)
-    else:
-      self._wanted[family] = target
-      if SLOT_LEVELS.wanted(family, target):
-        requests.append((family, target, job(target)))
+    target = self._level_for(chunk_plan, counts, 2 * self.headroom)
+    armed = self._armed.get(key)
+    if self._level_for(chunk_plan, counts, self.headroom) >= now and target <= now + 1:
+      self._wanted.pop(key, None)
+      self._armed.pop(key, None)
+      return None
+    if armed is not None and not min(now, target) <= armed <= max(now, target):
+      del self._armed[key]  # a move the other way now: not made
+    self._wanted[key] = target
+    if SLOT_LEVELS.wanted(family, target):
+      requests.append((family, target, job(target), None, None))  # (never urgent: ``now``
+      # holds every change the next steps may have until it is compiled)
+    return ahead_key(key), target
+
+  def _level_for(self, chunk_plan: Plan, counts: np.ndarray, headroom: float) -> int:
+    """The level (at most 0, at least the widest) whose slots hold ``counts`` times
+    ``headroom`` in every segment (a segment split into blocks never widens)."""
+    ids = range(len(chunk_plan.segments))
+    want = np.ceil(np.asarray(counts, np.float64) * headroom)
+    split = np.array([seg.blocks > 1 for seg in chunk_plan.segments])
+    capacity = np.array([seg.capacity for seg in chunk_plan.segments])
+    want = np.where(split, np.minimum(want, capacity), want)
+    return min(0, needed_level(chunk_plan, ids, want,
+                               lowest=widest_level(chunk_plan, ids, self.max_share)))
+
+
+def ahead_key(key: tuple) -> tuple:
+  """The key in :data:`SLOT_LEVELS` under which what codes a chunk's changes (a packed
+  coding's packing) compiles at the level its diff moves to, before it moves (``key``: the
+  diff's family and the coding, as :class:`DiffWidths` names them)."""
+  return ("ahead", key)
 
 
 # Slot levels: level k holds a segment's capacity times 2**(-k/2), down to an eighth. Steps of a
@@ -553,12 +633,13 @@ class SlotLevels:
                                and level not in known.pending.get(config, ()))
 
   def request(self, family: Any, level: int, job: Callable[[], None],
-              config: Any = None) -> None:
+              config: Any = None, base: int | None = 0) -> None:
     """Compiles ``level`` of ``family`` for ``config`` in the background with ``job()``, unless
-    it is compiled or compiling. The fallback level 0 of a config that ran at other levels
-    only (its first call came when the family had those compiled for other configs) is
-    compiled now, in this thread: the next call may need it at once, before the background
-    thread came to it."""
+    it is compiled or compiling. The fallback level ``base`` (the capacity, 0, unless the
+    family's slots are widened) of a config that ran at other levels only (its first call came
+    when the family had those compiled for other configs) is compiled now, in this thread: the
+    next call may need it at once, before the background thread came to it. ``base=None``: no
+    level is urgent (the family's calls never fall back)."""
     if not self.wanted(family, level, config):
       return
     context = (jax.config.jax_default_device, jax.config.jax_enable_x64)  # this thread's
@@ -569,7 +650,7 @@ class SlotLevels:
         return
       pending.add(level)
       self._unfinished += 1
-      now = level == 0 and bool(known.ready.get(config))
+      now = level == base and bool(known.ready.get(config))
       if not now:
         self._jobs.append((family, config, level, job, context))
         if self._thread is None or not self._thread.is_alive():  # (not alive: after a fork)
@@ -577,6 +658,12 @@ class SlotLevels:
           self._thread.start()
     if now:
       self._compile(family, config, level, job, context)
+
+  def compiling(self, family: Any, level: int) -> bool:
+    """Whether ``level`` of ``family`` is compiling in the background, for any config."""
+    with self._lock:
+      known = self._families.get(family)
+      return known is not None and any(level in p for p in known.pending.values())
 
   def forget(self) -> None:
     """Forgets every compiled level, once the background thread is idle: after
@@ -690,6 +777,27 @@ def leaves_digest(plan: Plan, flat: list, layouts: tuple) -> jax.Array:
                       for c in chunks_of(plan)])
 
 
+def receiver_widest(chunk_plan: Plan) -> int:
+  """The widest slot level a receiver compiles a chunk's programs for ahead: the one a sender
+  widens its diff to at the default ``max_capacity`` (:class:`DiffWidths`). It holds whatever
+  a sender that widens sends next while the level its changes need compiles; a sender that
+  widens further costs the receiver a compilation when its changes first need it."""
+  return widest_level(chunk_plan, range(len(chunk_plan.segments)), DEFAULT_MAX_CAPACITY)
+
+
+def widens(chunk_plan: Plan, counts: Sequence[int], dense: Sequence[bool] = ()) -> bool:
+  """Whether a sender's diff of a chunk (not of several processes) widens past its capacity
+  after a version in which its segments had ``counts`` changes (``dense``: per segment,
+  whether it was sent densely in a delta, its changes unknown): some segment not split into
+  blocks came within the headroom of its capacity, or over it (:class:`DiffWidths`). A
+  receiver then compiles the widest level ahead."""
+  for seg, n, d in itertools.zip_longest(chunk_plan.segments, counts, dense, fillvalue=False):
+    if seg.blocks == 1 and seg.capacity < seg.size and (
+        d or math.ceil(int(n) * WIDEN_HEADROOM) > seg.capacity):
+      return True
+  return False
+
+
 def receiver_family(chunk: Chunk, flat: Sequence) -> tuple:
   """The key of a receiver chunk's per-change programs in :data:`SLOT_LEVELS`: its structure,
   and the placement of its leaves ``flat`` (the receiver's)."""
@@ -708,14 +816,18 @@ def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs,
     ranked = c.segments(inputs.ranked)
     indices = keys = c.segments(inputs.keys)
     values, counts = c.segments(inputs.values), inputs.counts[list(c.segment_ids)]
-    if inputs.levels:  # this call compiles its level; the one needed, and the fallback level
-      # 0 (a first call of this config may not be at 0), in the background
+    if inputs.levels:  # this call compiles its level; the one needed, the fallback level 0
+      # (a first call of this config may not be at 0) and, when the sender widens its diff
+      # after this version, the widest it widens to, in the background
       family = receiver_family(c, flat)
       config = (chunk_layouts, inputs.coded, ranked, bool(donate), inputs.staging)
       level, needed, staged = inputs.levels[k]
       if staged:
         SLOT_LEVELS.ran(family, level, config)
-      for wanted in sorted({needed, 0, level} - ({level} if staged else set())):
+      ahead = {needed, 0, level}
+      if widens(c.plan, counts, c.segments(inputs.dense) if inputs.dense else ()):
+        ahead.add(receiver_widest(c.plan))
+      for wanted in sorted(ahead - ({level} if staged else set())):
         if SLOT_LEVELS.wanted(family, wanted, config):
           requests.append((family, wanted, _receiver_job(
               k, c, wanted, chunk_layouts, inputs.coded, ranked, donate, chunk_flat, keys,

@@ -168,7 +168,8 @@ class Receiver:
       if not body.counts.any():
         digest = programs.leaves_digest(self.plan, flat, self._layouts)
       else:
-        inputs = packed_stage.receiver_inputs(self.plan, flat, body)
+        inputs = packed_stage.receiver_inputs(self.plan, flat, body)._replace(
+            dense=staging.dense_in_delta(header, body.modes))
         flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
                                              donate=self._donate)
       self._verify_and_commit(header, flat, digest_bytes(digest))
@@ -195,7 +196,8 @@ class Receiver:
       digest = programs.leaves_digest(self.plan, flat, self._layouts)
     else:
       inputs = staged.inputs(ranked=ranked_segments(self.plan, modes),
-                             coded=header.format.coded)
+                             coded=header.format.coded,
+                             dense=staging.dense_in_delta(header, modes))
       flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
                                            donate=self._donate)
     self._verify_and_commit(header, flat, digest_bytes(digest))
@@ -282,7 +284,8 @@ class Receiver:
     else:
       inputs = read.staged.inputs(
           ranked=tuple(seg.ordered and read.header.ranked for seg in self.plan.segments),
-          coded=read.header.format.coded, slot_counts=read.sparse_counts)
+          coded=read.header.format.coded, slot_counts=read.sparse_counts,
+          dense=parts_lib.dense_segments(self.plan, read))
       flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
                                            donate=self._donate)
     self._verify_and_commit(read.header, flat, digest_bytes(digest))

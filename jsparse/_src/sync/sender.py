@@ -125,15 +125,16 @@ class Sender:
     link_gbit: the link's bandwidth in Gbit/s, for ``coding="auto"`` (an attribute: set it when
       the link changes).
     max_capacity: how far a segment's slots may widen when its changes outgrow the plan's
-      ``capacity``, as a fraction of its elements (0, the default: they do not, and such a
-      segment is sent densely; e.g. 0.5: ``capacity`` is a starting point, and a dense step,
-      at a high learning rate or a run's first steps, is coded sparsely from the next
-      version on, up to half of a segment; beyond it the segment is sent densely, about as
-      small). A wider diff takes more device memory while it runs (measured on a bf16
-      segment widened from 5% to 40%: 3.9x to 11x its rollout bytes); its programs compile in the
-      background, and a packed coding's first widened version may compile on the calling
-      thread. Segments the trainer splits into blocks, and jobs of several processes, keep
-      the capacity. See ``programs.DiffWidths``.
+      ``capacity``, as a fraction of its elements (default 1.0, the whole segment):
+      ``capacity`` is a starting point, and a dense step (a high learning rate, a run's
+      first steps) is still coded sparsely, from the first delta on; only a density that
+      jumps past 3x its slots in one step is carried densely, once. A wider diff takes more
+      device memory while it runs: 8 bytes per slot for a bf16 rollout (at most
+      ``4 * max_capacity`` times the rollout bytes of the segments that widen), and compiled,
+      a bf16 segment's diff takes 3.9x its rollout bytes at 5% and 11.6x widened whole. Its
+      programs compile in the background. 0: slots never widen, and a segment over its
+      capacity is sent densely. Segments the trainer splits into blocks, and jobs of several
+      processes, keep the capacity. See ``programs.DiffWidths``.
 
   Raises:
     ConfigError: a bad option.
@@ -151,7 +152,8 @@ class Sender:
   @mesh_neutral
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0,
                anchor_every: int | None = None, coding: Coding | str = Coding.RANKED,
-               link_gbit: float = auto.DEFAULT_LINK_GBIT, max_capacity: float = 0.0):
+               link_gbit: float = auto.DEFAULT_LINK_GBIT,
+               max_capacity: float = programs.DEFAULT_MAX_CAPACITY):
     self.max_capacity = float_option("max_capacity", max_capacity, minimum=0.0)
     if self.max_capacity > 1.0:
       raise ConfigError(f"max_capacity must be a fraction in [0, 1], got {max_capacity!r}")
@@ -200,7 +202,8 @@ class Sender:
   @classmethod
   def restore(cls, plan: Plan, state: SyncState, *, anchor_every: int | None = None,
               coding: Coding | str = Coding.RANKED,
-              link_gbit: float = auto.DEFAULT_LINK_GBIT) -> "Sender":
+              link_gbit: float = auto.DEFAULT_LINK_GBIT,
+              max_capacity: float = programs.DEFAULT_MAX_CAPACITY) -> "Sender":
     """A sender that resumes from ``state`` (from :meth:`state`, e.g. restored by Orbax).
 
     Raises:
@@ -209,7 +212,7 @@ class Sender:
     """
     version, digest, params = check_state(plan, state, rollout_only=False)
     sender = cls(plan, params, version=version, anchor_every=anchor_every, coding=coding,
-                 link_gbit=link_gbit)
+                 link_gbit=link_gbit, max_capacity=max_capacity)
     check_digest(sender._bits, digest, version)
     sender.run_id = state_run(state) or sender.run_id
     return sender
@@ -640,8 +643,9 @@ def timed_sync(coding: Coding, plan, old: Any, new: Any) -> tuple[float, int, au
   the update changed (what ``auto.calibrate`` measures each coding by)."""
   best, size, update = float("inf"), 0, None
   for _ in range(_TIMED_REPEATS + 1):  # the first compiles
-    # Copies: a throwaway sender's diff and receiver's apply donate what they hold.
-    sender = Sender(plan, jax.tree.map(jnp.copy, old), coding=coding)
+    # Copies: a throwaway sender's diff and receiver's apply donate what they hold. At the
+    # capacity: a fresh sender's first delta would run at its widest slots, not as the next.
+    sender = Sender(plan, jax.tree.map(jnp.copy, old), coding=coding, max_capacity=0)
     receiver = Receiver(plan, jax.tree.map(jnp.copy, old))
     jax.block_until_ready((sender.snapshot, receiver.params))
     start = time.perf_counter()

@@ -38,7 +38,7 @@ from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.core.chunks import chunks_of
 from jsparse._src.sync import programs
 from jsparse._src.sync.programs import ReceiverInputs
-from jsparse._src.wire.payload import Mode, Payload, SegmentPayload, ranked_segments
+from jsparse._src.wire.payload import Kind, Mode, Payload, SegmentPayload, ranked_segments
 
 MAX_BLOCK = 1 << 16  # changes per staged block: bounds the host's padding and the scatter
 
@@ -225,13 +225,15 @@ class StagedRecords:
     return tuple(tuple(sorted(kinds)) or ((block_size(seg), False),)
                  for kinds, seg in zip(self._kinds, self.plan.segments))
 
-  def inputs(self, *, ranked: Sequence[bool], coded: bool, slot_counts=None) -> ReceiverInputs:
+  def inputs(self, *, ranked: Sequence[bool], coded: bool, slot_counts=None,
+             dense: Sequence[bool] = ()) -> ReceiverInputs:
     """The :class:`~programs.ReceiverInputs` of the staged records, on the devices. Slots are
     sized by ``slot_counts`` (per segment, the changes of the whole version, which a rollout
     process of a multi-process job shares with the others whatever it read), by default by
     the changes staged here, at the slot level :class:`~programs.SlotLevels` chooses (the one
     they need once compiled). ``ranked``: per segment, whether its keys are ranks; ``coded``:
-    whether the values are ulp codes."""
+    whether the values are ulp codes; ``dense``: per segment, whether the delta carried it
+    densely."""
     counts = self._counts.astype(np.int32)
     sizing = counts if slot_counts is None else np.asarray(slot_counts)
     slots, levels = [0] * len(self.plan.segments), []
@@ -270,7 +272,8 @@ class StagedRecords:
                           tuple(ranked), coded, tuple(levels),
                           functools.partial(compile_chunk_slots, self.plan,
                                             tuple(self._devices), kinds),
-                          "units" if any(c for k in kinds for _, c in k) else "records")
+                          "units" if any(c for k in kinds for _, c in k) else "records",
+                          tuple(dense))
 
 
 def stage_records(plan: Plan, flat: Sequence[jax.Array], records: Iterable[SegmentPayload]
@@ -295,4 +298,10 @@ def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], header: Payload,
   ``records`` as ``framing.decode_lazily`` gives them) for a receiver holding ``flat``."""
   staged, _, modes = stage_records(plan, flat, records)
   return staged.inputs(ranked=ranked_segments(plan, modes),
-                       coded=header.format.coded)
+                       coded=header.format.coded, dense=dense_in_delta(header, modes))
+
+
+def dense_in_delta(header: Payload, modes: Sequence[Mode]) -> tuple[bool, ...]:
+  """Per segment, whether a delta ``header`` carried it densely (its sender may widen next:
+  ``programs.widens``); none for an anchor."""
+  return tuple(header.kind == Kind.DELTA and mode == Mode.DENSE for mode in modes)
