@@ -124,6 +124,20 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
         + [[f"`{name}`, bytes/change"] + [f"{x['bytes'] / max(1, x['changed']):.2f}"
                                           for x in steps] for name, steps in codings.items()])
 
+  if "density" in r:
+    def density_table() -> str:
+      from jsparse.benchmarks import density
+      rows = []
+      for (name, coding), row in density.summary(r["density"]).items():
+        d = r["density"][name]["density"]
+        rows.append([name, f"{_pct(min(d))}–{_pct(max(d))}", f"`{coding}`",
+                     f"{row['bytes_per_change']:.3f}", f"{row['vs_capacity_1']:.3f}x",
+                     f"{row['vs_static']:.3f}x", f"{row['max_vs_dense']:.3f}x"])
+      return _rows(["run", "elements changed", "coding", "bytes/change",
+                    "over `capacity=1.0`", "over `max_capacity=0`", "largest step over dense"],
+                   rows)
+    v["density_table"] = density_table
+
   if "costs" in r:
     def cost_rows(table: dict) -> list[list]:
       return [[f"`{name}`", f"{c['send_bytes'] / 1e6:,.1f}", f"{c['send_x_floor']:.2f}x",

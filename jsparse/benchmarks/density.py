@@ -27,7 +27,7 @@ from flax import nnx
 
 import jsparse
 from jsparse.testing import assert_trees_bitwise_equal
-from jsparse._src.sync import programs
+from jsparse.benchmarks._internals import programs
 from jsparse.examples import rl_model
 
 LEARNING_RATES = (1e-6, 1e-5, 3e-5)

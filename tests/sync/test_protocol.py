@@ -18,9 +18,11 @@ from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
 
 
-def _pair(params, **plan_options):
+def _pair(params, max_capacity=None, **plan_options):
   plan = jsparse.make_plan(params, **plan_options)
-  return plan, jsparse.Sender(plan, params), jsparse.Receiver(plan, plan.cast(params))
+  options = {} if max_capacity is None else {"max_capacity": max_capacity}
+  return (plan, jsparse.Sender(plan, params, **options),
+          jsparse.Receiver(plan, plan.cast(params)))
 
 
 def _mixed_tree(seed):
@@ -53,19 +55,27 @@ def test_any_update_roundtrips_exactly(pair, capacity, pooled_capacity, bucket_s
   assert receiver.version == sender.version == 1
 
 
+@pytest.mark.parametrize("widening", [True, False], ids=["widening", "static"])
 @pytest.mark.parametrize("density", [0.0, 0.001, 0.02, 0.3, 1.0])
-def test_multi_step_fp32_to_bf16_with_overflow_fallback(density):
+def test_multi_step_fp32_to_bf16_with_overflow_fallback(density, widening):
+  """Exact at any density; with static slots (``max_capacity=0``) a segment past its capacity
+  goes dense, and by default its slots widen and it stays sparse up to ``max_capacity``."""
   rng = np.random.default_rng(0)
   params = jax.tree.map(jnp.asarray, _tree(rng))
-  plan, sender, receiver = _pair(params, rollout_dtype=jnp.bfloat16, capacity=0.01,
+  plan, sender, receiver = _pair(params, None if widening else 0.0,
+                                 rollout_dtype=jnp.bfloat16, capacity=0.01,
                                  pooled_capacity=0.05, bucket_size=1000)
   for _ in range(3):
     params = jax.tree.map(jnp.asarray, {k: strategies.perturb(rng, np.asarray(v), density)
                                         for k, v in params.items()})
     out = receiver.receive(sender.send(params))
     assert_trees_bitwise_equal(out, plan.cast(params))
+    stats = sender.last_stats
+    if widening:  # sparse up to max_capacity (0.8), then dense: never more than dense
+      assert density > 0.8 or stats.overflowed_segments == 0
+      assert stats.payload_bytes <= stats.dense_bytes + 1024
   stats = sender.last_stats
-  if density >= 0.3:
+  if density >= 0.3 and not widening:
     assert stats.overflowed_segments == len(plan.segments)
   if density <= 0.001:
     assert stats.overflowed_segments == 0
@@ -76,7 +86,7 @@ def test_multi_step_fp32_to_bf16_with_overflow_fallback(density):
 def test_overflowed_segments_travel_densely_and_others_sparsely():
   rng = np.random.default_rng(1)
   params = _tree(rng)
-  plan, sender, receiver = _pair(params, capacity=0.01, bucket_size=1000)
+  plan, sender, receiver = _pair(params, 0.0, capacity=0.01, bucket_size=1000)  # static slots
   new = dict(params, w=strategies.perturb(rng, params["w"], 0.5))
   data = sender.send(new)
   modes = [s.mode for s in framing.decode(plan, data).segments]

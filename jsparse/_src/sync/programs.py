@@ -255,7 +255,10 @@ def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, width: int, codin
           (family, level, needed))
 
 
-DEFAULT_MAX_CAPACITY = 1.0  # how far a segment's slots widen, by default: its whole size
+# How far a segment's slots widen by default: 80% of it. Past that, the sparse records of
+# `lists` and of the packed codings near or pass the dense one (measured at 100% changed:
+# +6% and +3%), and dense needs no slots.
+DEFAULT_MAX_CAPACITY = 0.8
 WIDEN_HEADROOM = 1.5  # a diff widens when its changes come within this of its slots
 
 
@@ -492,8 +495,10 @@ def needed_level(plan: Plan, segment_ids: Sequence[int], counts, lowest: int = 0
 
 
 def widest_level(plan: Plan, segment_ids: Sequence[int], max_share: float) -> int:
-  """The widest level (at most 0) whose slots stay within ``max_share`` of every widenable
-  segment of ``segment_ids`` (0 when none widens): beyond it a segment is sent densely.
+  """The widest level (at most 0) whose slots stay within ``max_share`` of some widenable
+  segment of ``segment_ids`` (0 when none widens): beyond it a segment is sent densely. A
+  smaller segment of a mixed chunk may reach a larger share there (at most its size): the
+  chunk's largest segments set how far it widens.
 
   >>> import jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, capacity=0.1, bucket_size=1000)
@@ -505,7 +510,7 @@ def widest_level(plan: Plan, segment_ids: Sequence[int], max_share: float) -> in
     wider = level_slots(plan, segment_ids, level - 1)
     now = level_slots(plan, segment_ids, level)
     growing = [(s, n) for s, n, m in zip(segment_ids, wider, now) if n > m]
-    if not growing or any(n > max_share * plan.segments[s].size for s, n in growing):
+    if not growing or all(n > max_share * plan.segments[s].size for s, n in growing):
       return level
     level -= 1
   return level

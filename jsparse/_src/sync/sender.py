@@ -125,7 +125,8 @@ class Sender:
     link_gbit: the link's bandwidth in Gbit/s, for ``coding="auto"`` (an attribute: set it when
       the link changes).
     max_capacity: how far a segment's slots may widen when its changes outgrow the plan's
-      ``capacity``, as a fraction of its elements (default 1.0, the whole segment):
+      ``capacity``, as a fraction of its elements (default 0.8; past it a segment is sent
+      densely: there the sparse forms of ``lists`` and the packed codings near dense):
       ``capacity`` is a starting point, and a dense step (a high learning rate, a run's
       first steps) is still coded sparsely, from the first delta on; only a density that
       jumps past 3x its slots in one step is carried densely, once. A wider diff takes more
@@ -573,7 +574,7 @@ class OverflowLog:
 
   >>> import logging, jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(100_000)}, capacity=0.01)
-  >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(100_000)})
+  >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(100_000)}, max_capacity=0)  # static slots
   >>> _ = sender.send({'w': jnp.ones(100_000).at[::2].set(0.0)})  # 50% changed: logged
   >>> sender.last_stats.overflowed_segments, sender.last_stats.overflowed_changes
   (1, 50000)
