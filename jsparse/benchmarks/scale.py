@@ -291,8 +291,8 @@ def packed_host_rate_of(plan: jsparse.Plan, before, after, repeats: int = 3) -> 
   sender = jsparse.Sender(plan, before, coding="packed")
   data = sender.send(after)
   rollout = jax.tree.leaves(plan.cast(before))  # the receiver's leaves
-  changes = programs.sender_changes(plan, Coding.PACKED, jax.tree.leaves(plan.cast(before)),
-                                    jax.tree.leaves(after))[0]  # (its snapshot donated)
+  changes = sync.sender_device_stage(plan, Coding.PACKED, jax.tree.leaves(plan.cast(before)),
+                                     jax.tree.leaves(after))  # (its snapshot donated)
   row = sync.packed_host_times(plan, Coding.PACKED, changes, rollout, data, repeats)
   row.update(params=plan.num_elements, changed=sender.last_stats.changed, bytes=len(data),
              per_byte=(row["host_encode"] + row["host_decode"]) / len(data),

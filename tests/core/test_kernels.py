@@ -10,7 +10,6 @@ from hypothesis import given, settings, strategies as st
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.digest import bits_digest
 from jsparse._src.core.layout import Layout
-from jsparse._src.core import select
 from jsparse._src.core.select import first_set_positions, sorted_search
 from jsparse._src.device import ranks, ulp_codes
 from jsparse.testing import special_values
@@ -28,15 +27,15 @@ def test_first_set_positions_equal_nonzero(size, density, capacity, seed):
   assert int(count) == int(mask.sum())
 
 
-@pytest.mark.parametrize("capacity", [1, 127, 128, 129, 1024, 1500])
-def test_first_set_positions_by_search_and_by_scatter(capacity):
-  """Capacities on both sides of the share where the slots are filled by scatter, not search
-  (1/8 of 1,024 elements), with more and fewer changes than slots."""
-  assert select.SCATTER_SHARE * 1024 == 128
-  for density in (0.01, 0.3, 1.0):
-    mask = np.random.default_rng(capacity).random(1024) < density
+@pytest.mark.parametrize("capacity", [1, 31, 32, 33, 1024, 1500])
+def test_first_set_positions_at_any_capacity(capacity):
+  """Capacities around a word and up to past the mask's size, with more and fewer changes than
+  slots, words full and empty, and a mask whose size is not a multiple of a word."""
+  for size, density in ((1024, 0.01), (1024, 0.3), (1024, 1.0), (1000, 0.9), (37, 0.5)):
+    mask = np.random.default_rng(capacity).random(size) < density
+    mask[:64] = density > 0.5  # whole words set (or clear)
     positions, count = jax.jit(first_set_positions, static_argnums=1)(jnp.asarray(mask), capacity)
-    (expected,) = jnp.nonzero(mask, size=capacity, fill_value=1024)
+    (expected,) = jnp.nonzero(mask, size=capacity, fill_value=size)
     assert positions.tolist() == expected.tolist()
     assert int(count) == int(mask.sum())
 

@@ -1,6 +1,7 @@
 """Exact at every density within one run: hypothesis drifts a run's density from 0.01% to 100%
 and back, step by step, through whole payloads and streams, for every coding; every step's
-bits are compared with the sender's (special values included)."""
+bits are compared with the sender's (special values included), and the digest the sender
+updates from its changes with a digest of its whole snapshot."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jsparse
 from jsparse._src.core import bits as bits_lib
+from jsparse._src.sync.state import digest_bytes, versioned_digest
 from jsparse.testing import assert_trees_bitwise_equal
 from tests.strategies import perturb, with_specials
 
@@ -69,4 +71,6 @@ def test_every_density_of_a_run_syncs_exactly(plan_and_start, coding, seed, step
       receiver.receive(sender.send(params))
     assert_trees_bitwise_equal(receiver.params, plan.cast(params))
     assert sender.last_stats.changed <= plan.num_elements
+    whole = versioned_digest(digest_bytes(jsparse.bits_digest(sender.snapshot)), sender.version)
+    assert sender.digest == whole
   assert receiver.version == len(steps)

@@ -52,18 +52,49 @@ def _words(bits: jax.Array) -> jax.Array:
 _STACKED_MAX_SIZE = 1 << 16
 
 
-def _mixed_sums(words: jax.Array, positions: jax.Array, leaf_ids: jax.Array) -> jax.Array:
-  """``uint32[2]``: the two sums, over every element, of ``words`` mixed with ``positions`` and
-  ``leaf_ids`` (the three broadcast together)."""
+def _mixed_lanes(words: jax.Array, positions: jax.Array, leaf_ids: jax.Array) -> list[jax.Array]:
+  """The two mixed words of every element (``words``, ``positions`` and ``leaf_ids`` broadcast
+  together), that the digest sums."""
   positions = positions.astype(jnp.uint32)
   lanes = []
   for k, (c_bits, c_pos) in enumerate(_SEEDS):
     seed = leaf_ids * jnp.uint32(0x632BE5AB) + jnp.uint32(k)  # wraps mod 2**32
     lanes.append(_fmix(words * jnp.uint32(c_bits) + positions * jnp.uint32(c_pos) + seed))
+  return lanes
+
+
+def _lane_sums(lanes: Sequence[jax.Array]) -> jax.Array:
   zero = jnp.uint32(0)
   sums = lax.reduce(tuple(lanes), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]),
                     tuple(range(lanes[0].ndim)))
   return jnp.stack(sums)
+
+
+def _mixed_sums(words: jax.Array, positions: jax.Array, leaf_ids: jax.Array) -> jax.Array:
+  """``uint32[2]``: the two sums, over every element, of ``words`` mixed with ``positions`` and
+  ``leaf_ids`` (the three broadcast together)."""
+  return _lane_sums(_mixed_lanes(words, positions, leaf_ids))
+
+
+def change_digest(new_bits: jax.Array, old_bits: jax.Array, positions: jax.Array,
+                  leaf_ids: jax.Array, used: jax.Array) -> jax.Array:
+  """``uint32[2]``: what :func:`bits_digest` of a tree gains (mod 2**32) when the elements
+  where ``used`` go from ``old_bits`` to ``new_bits`` (bit patterns; ``positions``: flat, in
+  their leaves; ``leaf_ids``: of those leaves). The digest is a sum over elements, so a sync
+  updates it from its changes alone, without reading the other elements.
+
+  >>> import jax.numpy as jnp
+  >>> old, new = jnp.zeros(4, jnp.uint16), jnp.zeros(4, jnp.uint16).at[2].set(7)
+  >>> gain = change_digest(new[2:3], old[2:3], jnp.array([2]), jnp.array([0], jnp.uint32),
+  ...                      jnp.array([True]))
+  >>> bool((bits_digest([old]) + gain == bits_digest([new])).all())
+  True
+  """
+  leaf_ids = jnp.asarray(leaf_ids, jnp.uint32)
+  lanes = [jnp.where(used, n - o, jnp.uint32(0)) for n, o in zip(
+      _mixed_lanes(_words(new_bits), positions, leaf_ids),
+      _mixed_lanes(_words(old_bits), positions, leaf_ids))]
+  return _lane_sums(lanes)
 
 
 def _leaf_words(leaf: jax.Array) -> jax.Array:

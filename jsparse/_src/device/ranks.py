@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jsparse._src.core.select import pack_words, rank_select, sorted_search
+from jsparse._src.core.select import pack_planes, rank_select, sorted_search
 from jsparse._src.device.ulp_codes import NUM_CLASSES, exponent_class
 
 _WORD = 32
@@ -72,7 +72,7 @@ def class_tables(bits: jax.Array, dtype: np.dtype) -> ClassTables:
   num_superblocks = max(1, -(-size // _SUPERBLOCK))
   num_words = num_superblocks * _SUPERBLOCK_WORDS
   cls = exponent_class(bits, dtype, jnp)
-  planes = [pack_words(((cls >> k) & 1) == 1) for k in range(_CLASS_BITS)]
+  planes = pack_planes(cls, _CLASS_BITS)
   word_start = jnp.arange(num_words, dtype=jnp.int32) * _WORD
   filled = jnp.clip(size - word_start, 0, _WORD).astype(jnp.uint32)
   exists = jnp.where(filled == _WORD, jnp.uint32(0xFFFFFFFF),

@@ -43,7 +43,7 @@ from jsparse._src.core.chunks import (Chunk, chunks_of, place_leaves, place_segm
                                       sum_digests, unchunked_leaves)
 from jsparse._src.core.delta import Delta, apply_flat, diff_flat_with_old, segment_bits
 from jsparse._src.core.placement import diff_targets
-from jsparse._src.core.digest import bits_digest
+from jsparse._src.core.digest import bits_digest, change_digest
 from jsparse._src.core.layout import no_context_mesh
 from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.core.units import local_value
@@ -171,22 +171,50 @@ def counts_program(plan: Plan, snapshot: list, new: list, *, relaid: tuple | Non
   return diff_flat_with_old(plan, snapshot, _relaid_new(plan, new, relaid))[0].counts
 
 
+def _slot_leaves(seg: Segment, positions: jax.Array, leaf_ids: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Each of a segment's slots' position inside its leaf, and that leaf's id (``leaf_ids``:
+  the chunk's, per leaf of its plan)."""
+  if not seg.pooled:
+    return positions, leaf_ids[seg.leaf_ids[0]]
+  starts = np.asarray(seg.offsets[1:], np.int32)
+  member = jnp.sum(positions[:, None] >= starts[None, :], axis=1, dtype=jnp.int32)
+  return (positions - jnp.asarray(np.asarray(seg.offsets, np.int32))[member],
+          leaf_ids[jnp.asarray(np.asarray(seg.leaf_ids, np.int32))][member])
+
+
+def _digest_gain(plan: Plan, delta: Delta, old_values: tuple, leaf_ids: jax.Array
+                 ) -> jax.Array:
+  """``uint32[2]``: what the digest of a chunk's snapshot gains from the delta's slots (old and
+  new bits at each changed position): its whole gain if no segment overflowed its slots."""
+  gain = jnp.zeros((2,), jnp.uint32)
+  for seg, positions, new, old in zip(plan.segments, delta.indices, delta.values, old_values):
+    within, ids = _slot_leaves(seg, jnp.minimum(positions, seg.size - 1), leaf_ids)
+    gain = gain + change_digest(new, old, within, ids, positions < seg.size)
+  return gain
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames="relaid",
                    donate_argnums=2)
 def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: jax.Array, *,
                  relaid: tuple | None = None):
   """A chunk's (delta, old bits at its positions, per-block counts, class tables of the ordered
-  segments (if ``ranked``; for :func:`sparse_program`), the next snapshot, its digest). The
-  snapshot is donated. ``relaid``: per leaf, the snapshot's sharding where ``new`` is laid out
-  otherwise (a leaf the plan holds whole, as a train step may split it), else None: such a leaf
-  is cast and gathered here, so the next snapshot keeps the snapshot's layout."""
+  segments (if ``ranked``; for :func:`sparse_program`), the next snapshot, what its digest
+  gains over the snapshot's if no segment overflowed). The snapshot is donated. ``relaid``: per leaf, the snapshot's
+  sharding where ``new`` is laid out otherwise (a leaf the plan holds whole, as a train step
+  may split it), else None: such a leaf is cast and gathered here, so the next snapshot keeps
+  the snapshot's layout."""
   new = _relaid_new(plan, new, relaid)
   delta, old_values, block_counts = diff_flat_with_old(plan, snapshot, new)
   tables = tuple(_tables(plan, seg, snapshot) if ranked and seg.ordered else None
                  for seg in plan.segments)
-  next_snapshot = cast_flat(plan, new)
-  return (delta, old_values, block_counts, tables, next_snapshot,
-          bits_digest(next_snapshot, _trainer_layouts(plan), leaf_ids))
+  gain = _digest_gain(plan, delta, old_values, leaf_ids)
+  # Every read of the snapshot comes before the next snapshot is cast into its (donated)
+  # buffers: XLA would otherwise copy the snapshot first (two more passes, and a temporary of
+  # its size).
+  read = (delta, old_values, block_counts, tables, gain)
+  new, read = jax.lax.optimization_barrier((new, read))
+  return (*read[:4], cast_flat(plan, new), read[4])
 
 
 @jax.jit
@@ -262,11 +290,13 @@ DEFAULT_MAX_CAPACITY = 0.8
 WIDEN_HEADROOM = 1.5  # a diff widens when its changes come within this of its slots
 
 
-def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ranks: bool = True,
-                   widths: "DiffWidths | None" = None
+def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *,
+                   base_digest: Any, ranks: bool = True, widths: "DiffWidths | None" = None
                    ) -> tuple[DeviceChanges, list[jax.Array], jax.Array]:
   """The sender's device stage: (its changes, the next snapshot, its digest). ``snapshot`` is
-  donated. ``ranks=False`` skips ranking (an anchor needs none). ``widths``: the sender's
+  donated; ``base_digest`` (``uint32[2]``) is its digest, which the changes update: the
+  digest is a sum over elements, so only the changed ones are read (all of them, only when a
+  segment overflowed its slots). ``ranks=False`` skips ranking (an anchor needs none). ``widths``: the sender's
   :class:`DiffWidths` (each chunk's diff at its slot level; None: at the capacity)."""
   chunks = chunks_of(plan)
   targets = diff_targets(new, snapshot)
@@ -292,7 +322,13 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
   old_values, block_counts, tables = (place_segments(plan, chunks, [o[k] for o in outs])
                                       for k in (1, 2, 3))
   next_snapshot = place_leaves(plan, chunks, [o[4] for o in outs], _cast_unchunked(plan, new))
-  digest = sum_digests([o[5] for o in outs])
+  layouts = _trainer_layouts(plan)
+  if widths is not None:  # what a version that overflows runs: compiled ahead
+    requests += [_digest_request(c, next_snapshot, layouts) for c in chunks]
+  if local_value(delta.overflow).any():  # the slots miss some changes: digest it all
+    digest = leaves_digest(plan, next_snapshot, layouts)
+  else:
+    digest = jnp.asarray(base_digest, jnp.uint32) + sum_digests([o[5] for o in outs])
   ranks_out, levels = None, ()
   if ranks:  # a delta: its changes (and ranks) need only as many slots as this step's changes
     counts = local_value(delta.counts)
@@ -313,6 +349,15 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *, ran
     SLOT_LEVELS.request(*request)
   return (DeviceChanges(delta, old_values, ranks_out, block_counts, levels), next_snapshot,
           digest)
+
+
+def _digest_request(chunk: Chunk, snapshot: list, layouts: tuple) -> tuple:
+  """A :meth:`SlotLevels.request` of the program that digests a chunk's next ``snapshot``
+  whole (laid out as ``snapshot``, split as ``layouts``: :func:`leaves_digest`)."""
+  leaves, chunk_layouts = [like(x) for x in chunk.leaves(snapshot)], tuple(chunk.leaves(layouts))
+  family = ("digest", chunk.plan, tuple(x.sharding for x in leaves))
+  return (family, 0, lambda: digest_program.lower(leaves, chunk_layouts,
+                                                  chunk.leaf_id_array).compile(), None, None)
 
 
 def _diff_job(chunk: Chunk, ranked: bool, snapshot: list, new: list, relaid, level: int

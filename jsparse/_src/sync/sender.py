@@ -45,7 +45,8 @@ from jsparse._src.sync.stream import (PartStream, produce, start_host_copies,
                                       start_segment_copies, stream_pieces)
 from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (RUN_BYTES, SyncState, check_digest, check_state,
-                                     check_version, digest_bytes, state_run, versioned_digest)
+                                     check_version, digest_bytes, digest_words, state_run,
+                                     versioned_digest)
 from jsparse._src.wire import framing
 from jsparse._src.sync.packed_stage import packed_body
 from jsparse._src.sync.receiver import Receiver
@@ -524,9 +525,11 @@ class Sender:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}: "
                          f"pass one above {self.version}, or none (the next is "
                          f"{self.version + 1})")
+    base_bits = self._bits  # the snapshot's digest, which its changes update
     if self._snapshot_lost:  # a failed diff consumed it: start again from these params
-      self._snapshot = programs.snapshot_and_digest(self.plan,
-                                                    _on_plan_layouts(self.plan, params))[0]
+      self._snapshot, base = programs.snapshot_and_digest(self.plan,
+                                                          _on_plan_layouts(self.plan, params))
+      base_bits = digest_bytes(base)
       self._snapshot_lost, self._needs_anchor = False, True
     # A multi-process trainer sends an anchor if any process must (its encode failed): all
     # parts of a version are of one kind.
@@ -540,7 +543,8 @@ class Sender:
     old = self._snapshot
     try:
       changes, self._snapshot, digest = programs.sender_changes(
-          self.plan, self._step_coding, old, flat, ranks=not full, widths=self._widths)
+          self.plan, self._step_coding, old, flat, base_digest=digest_words(base_bits),
+          ranks=not full, widths=self._widths)
     except BaseException:
       if any(x.is_deleted() for x in old):  # donated: only an anchor from new params is exact
         self._snapshot_lost = self._needs_anchor = True

@@ -162,6 +162,11 @@ def check_digest(actual: bytes, saved: bytes, version: int) -> None:
                          "Subscriber with start_with_anchor=True)")
 
 
+def digest_words(digest: bytes) -> np.ndarray:
+  """An 8-byte digest as ``uint32[2]`` (the inverse of :func:`digest_bytes`)."""
+  return np.frombuffer(digest, "<u4").astype(np.uint32)
+
+
 def digest_bytes(digest: Any) -> bytes:
   """A device digest of bit patterns (``uint32[2]``) as 8 bytes."""
   return np.asarray(digest, np.uint32).astype("<u4").tobytes()
