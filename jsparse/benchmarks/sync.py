@@ -208,6 +208,15 @@ def sender_device_stage(plan: jsparse.Plan, coding: Coding, snapshot: list, new:
                                  base_digest=np.zeros(2, np.uint32))[0]
 
 
+def receiver_device_stage(plan: jsparse.Plan, layouts: tuple, inputs: programs.ReceiverInputs,
+                          flat: list) -> tuple:
+  """The receiver's device stage of a delta's ``inputs`` into ``flat`` (donated; no dense
+  records): its leaves and digest (updated from a digest of zeros, as a receiver updates
+  its own)."""
+  return programs.apply_inputs(plan, layouts, flat, inputs, donate=True,
+                               base=(flat, np.zeros(2, np.uint32)))
+
+
 def stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any, data: bytes,
                 repeats: int = 5) -> dict:
   """Seconds of a sync's four stages (best of ``repeats``): the sender's device stage
@@ -235,7 +244,7 @@ def stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any, d
   row["host_decode"] = _best(decode, repeats=repeats)
   inputs = decode()
   layouts = layouts_of(plan, jax.tree.leaves(snapshot))
-  device_apply = lambda f: programs.apply_inputs(plan, layouts, f, inputs, donate=True)
+  device_apply = functools.partial(receiver_device_stage, plan, layouts, inputs)
   row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
   return row
 
@@ -269,7 +278,7 @@ def packed_stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after:
       repeats=repeats)
   inputs = packed_stage.unpack_streams(plan, rollout, staged, body.counts, body.ranked)
   layouts = layouts_of(plan, rollout)
-  device_apply = lambda f: programs.apply_inputs(plan, layouts, f, inputs, donate=True)
+  device_apply = functools.partial(receiver_device_stage, plan, layouts, inputs)
   row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
   row["bytes_floor"] = bytes_floor(len(data), repeats)
   return row

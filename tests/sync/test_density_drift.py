@@ -1,7 +1,7 @@
 """Exact at every density within one run: hypothesis drifts a run's density from 0.01% to 100%
 and back, step by step, through whole payloads and streams, for every coding; every step's
-bits are compared with the sender's (special values included), and the digest the sender
-updates from its changes with a digest of its whole snapshot."""
+bits are compared with the sender's (special values included), and the digests that sender
+and receiver update from the changes with digests of their whole trees."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -73,4 +73,6 @@ def test_every_density_of_a_run_syncs_exactly(plan_and_start, coding, seed, step
     assert sender.last_stats.changed <= plan.num_elements
     whole = versioned_digest(digest_bytes(jsparse.bits_digest(sender.snapshot)), sender.version)
     assert sender.digest == whole
+    assert receiver.digest == versioned_digest(
+        digest_bytes(jsparse.bits_digest(receiver.params)), receiver.version)
   assert receiver.version == len(steps)

@@ -41,6 +41,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from jsparse._src.core.chunks import (Chunk, chunks_of, place_leaves, place_segments,
                                       sum_digests, unchunked_leaves)
+from jsparse._src.core.bits import gather_bits
 from jsparse._src.core.delta import Delta, apply_flat, diff_flat_with_old, segment_bits
 from jsparse._src.core.placement import diff_targets
 from jsparse._src.core.digest import bits_digest, change_digest
@@ -328,7 +329,7 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *,
   if local_value(delta.overflow).any():  # the slots miss some changes: digest it all
     digest = leaves_digest(plan, next_snapshot, layouts)
   else:
-    digest = jnp.asarray(base_digest, jnp.uint32) + sum_digests([o[5] for o in outs])
+    digest = np.asarray(base_digest, np.uint32) + np.asarray(sum_digests([o[5] for o in outs]))
   ranks_out, levels = None, ()
   if ranks:  # a delta: its changes (and ranks) need only as many slots as this step's changes
     counts = local_value(delta.counts)
@@ -801,11 +802,35 @@ def _ulp_decoder(seg: Segment):
   return ulp_codes.decoder(seg.dtype)
 
 
+def _slot_bits(plan: Plan, seg: Segment, flat: list, positions: jax.Array) -> jax.Array:
+  """The bits of a segment's (unsplit) leaves ``flat`` at flat ``positions`` (in range)."""
+  if not seg.pooled:
+    leaf_id = seg.leaf_ids[0]
+    return gather_bits(jnp.asarray(flat[leaf_id]).reshape(-1), positions)
+  return segment_bits(plan, seg, flat)[positions]
+
+
 def _apply(plan: Plan, layouts: tuple, coded: bool, flat: list, indices: tuple, values: tuple,
            leaf_ids: jax.Array):
+  """A chunk's leaves with its changes written, and what their digest gains: read from the
+  leaves at the changed positions, before and after (leaves split into blocks: their whole
+  digest instead, each device digesting its own blocks)."""
+  if any(layouts):
+    out = apply_flat(plan, layouts, flat, indices, values,
+                     decoders=_ulp_decoder if coded else None)
+    return out, bits_digest(out, layouts, leaf_ids)
+  safe = [jnp.minimum(idx, seg.size - 1) for seg, idx in zip(plan.segments, indices)]
+  old = [_slot_bits(plan, seg, flat, p) for seg, p in zip(plan.segments, safe)]
+  # Every read of the old leaves before they are written in place (donated): XLA would copy
+  # them first otherwise.
+  flat, old = jax.lax.optimization_barrier((flat, old))
   out = apply_flat(plan, layouts, flat, indices, values,
                    decoders=_ulp_decoder if coded else None)
-  return out, bits_digest(out, layouts, leaf_ids)
+  gain = jnp.zeros((2,), jnp.uint32)
+  for seg, idx, p, was in zip(plan.segments, indices, safe, old):
+    within, ids = _slot_leaves(seg, p, leaf_ids)
+    gain = gain + change_digest(_slot_bits(plan, seg, out, p), was, within, ids, idx < seg.size)
+  return out, gain
 
 
 positions_program = jax.jit(_positions, static_argnums=(0, 1, 2))
@@ -817,7 +842,8 @@ digest_program = jax.jit(bits_digest, static_argnums=1)
 
 def apply_program(donate: bool):
   """The receiver's jitted apply of a chunk: ``(plan, layouts, coded, flat, indices, values,
-  leaf_ids) -> (flat, digest)`` with the first three static; ``flat`` donated if ``donate``."""
+  leaf_ids) -> (flat, its digest gain, or its digest where ``layouts`` split a leaf)`` with the
+  first three static; ``flat`` donated if ``donate``."""
   return _APPLY_PROGRAMS[bool(donate)]
 
 
@@ -855,12 +881,25 @@ def receiver_family(chunk: Chunk, flat: Sequence) -> tuple:
 
 
 def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs, *,
-                 donate: bool) -> tuple[list[jax.Array], jax.Array]:
+                 donate: bool, base: tuple[list, Any] | None = None
+                 ) -> tuple[list[jax.Array], jax.Array]:
   """The receiver's device stage, chunk by chunk: (the updated leaves, their digest). A chunk
   whose slots are of a higher level than it had (see :class:`SlotLevels`) has that level
-  compiled in the background for the next versions."""
+  compiled in the background for the next versions.
+
+  ``base``: (the leaves before this version, their digest ``uint32[2]``), of which ``flat``
+  has the leaves of dense records replaced: the digest is then updated from the changes (and
+  the chunks of those leaves); without it, or where ``layouts`` split some leaf, each chunk is
+  digested whole (the apply of a chunk with a split leaf digests it whole, the apply of
+  another returns its gain: see :func:`apply_program`)."""
   chunks = chunks_of(plan)
   outs, requests = [], []
+  gains = base is not None and not any(layouts)
+  # Chunks with leaves written whole: their gain is the difference of their whole digests.
+  rewritten = [any(flat[i] is not base[0][i] for i in c.leaf_ids) if gains else False
+               for c in chunks]
+  before = [digest_program(c.leaves(base[0]), tuple(c.leaves(layouts)), c.leaf_id_array)
+            if r else None for c, r in zip(chunks, rewritten)]
   for k, c in enumerate(chunks):
     chunk_layouts, chunk_flat = tuple(c.leaves(layouts)), c.leaves(flat)
     ranked = c.segments(inputs.ranked)
@@ -889,8 +928,17 @@ def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs,
                                       values, c.leaf_id_array))
   for request in requests:  # once this call's programs are compiled: not competing with them
     SLOT_LEVELS.request(*request)
-  return (place_leaves(plan, chunks, [o[0] for o in outs], flat),
-          sum_digests([o[1] for o in outs]))
+  out = place_leaves(plan, chunks, [o[0] for o in outs], flat)
+  if not gains:  # whole: a chunk with a leaf split into blocks was digested by its apply
+    return out, sum_digests([o[1] if any(c.leaves(layouts)) else
+                             digest_program(c.leaves(out), tuple(c.leaves(layouts)),
+                                            c.leaf_id_array) for c, o in zip(chunks, outs)])
+  total = np.asarray(base[1], np.uint32) + np.asarray(sum_digests([o[1] for o in outs]))
+  for c, o, r, b in zip(chunks, outs, rewritten, before):  # (on the host: no new program)
+    if r:  # its gain: the difference of its whole digests, not what its slots gained
+      whole = digest_program(c.leaves(out), tuple(c.leaves(layouts)), c.leaf_id_array)
+      total += np.asarray(whole) - np.asarray(b) - np.asarray(o[1])
+  return out, total
 
 
 def _receiver_job(k: int, chunk: Chunk, level: int, layouts: tuple, coded: bool, ranked: tuple,

@@ -35,7 +35,8 @@ from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
 from jsparse._src.sync import packed_stage, programs, staging
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
-                                     digest_bytes, state_run, versioned_digest)
+                                     digest_bytes, digest_words, state_run,
+                                     versioned_digest)
 from jsparse._src.wire import framing, packed
 from jsparse._src.wire.payload import (Format, Kind, Mode, Payload, SegmentPayload,
                                        ranked_segments)
@@ -171,7 +172,7 @@ class Receiver:
         inputs = packed_stage.receiver_inputs(self.plan, flat, body)._replace(
             dense=staging.dense_in_delta(header, body.modes))
         flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
-                                             donate=self._donate)
+                                             donate=self._donate, base=self._base(header))
       self._verify_and_commit(header, flat, digest_bytes(digest))
       return self.params
 
@@ -199,7 +200,7 @@ class Receiver:
                              coded=header.format.coded,
                              dense=staging.dense_in_delta(header, modes))
       flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
-                                           donate=self._donate)
+                                           donate=self._donate, base=self._base(header))
     self._verify_and_commit(header, flat, digest_bytes(digest))
     return self.params
 
@@ -287,7 +288,7 @@ class Receiver:
           coded=read.header.format.coded, slot_counts=read.sparse_counts,
           dense=parts_lib.dense_segments(self.plan, read))
       flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
-                                           donate=self._donate)
+                                           donate=self._donate, base=self._base(read.header))
     self._verify_and_commit(read.header, flat, digest_bytes(digest))
     return self.params
 
@@ -323,15 +324,22 @@ class Receiver:
         flat[leaf_id] = jax.device_put(host.reshape(leaf.shape), self._flat[leaf_id].sharding)
     return flat
 
+  def _base(self, payload: Payload) -> tuple[list, np.ndarray] | None:
+    """What a delta's digest is updated from (``programs.apply_inputs``): the leaves it
+    changes and their digest; None for an anchor (digested whole)."""
+    return (self._flat, digest_words(self._bits)) if payload.kind == Kind.DELTA else None
+
   def _verify_and_commit(self, payload: Payload, flat: list, bits: bytes) -> None:
     if versioned_digest(bits, payload.version) != payload.new_digest:
       message = (f"version {payload.version} reconstructed with a digest that differs from the "
                  "sender's (a payload that passed its checksum but not the end-to-end check)")
       if not self._donate:
         raise IntegrityError(f"{message}; nothing was applied")
-      # The old buffers were donated: keep what was built, under its own digest, so that no
-      # delta matches it and only an anchor is accepted.
-      self._flat, self._bits = flat, bits
+      # The old buffers were donated: keep what was built, under its own digest (digested
+      # whole: the changes that built it are suspect), so that no delta matches it and only
+      # an anchor is accepted.
+      self._flat = flat
+      self._bits = digest_bytes(programs.leaves_digest(self.plan, flat, self._layouts))
       raise IntegrityError(f"{message}; this receiver kept the result and is out of sync: "
                            f"{NEEDS_ANCHOR}")
     self._flat = flat
