@@ -141,11 +141,13 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
   if "costs" in r:
     def cost_rows(table: dict) -> list[list]:
       return [[f"`{name}`", f"{c['send_bytes'] / 1e6:,.1f}", f"{c['send_x_floor']:.2f}x",
+               f"{c.get('first_delta_bytes', 0.0) / 1e6:,.1f}",
                f"{c['receive_bytes'] / 1e6:,.1f}", f"{c['receive_x_floor']:.2f}x"]
               for name, c in table["codings"].items()]
 
     def cost_table() -> str:
-      header = ["coding", "send MB", "over compare-and-count", "receive MB", "over dense copy"]
+      header = ["coding", "send MB", "over compare-and-count", "first delta's count MB",
+                "receive MB", "over dense copy"]
       out = []
       for key, label in (("step", f"the {r['workload']['params'] / 1e6:.1f}M-parameter step"),
                          ("large", "a layered tree after one RL-like step")):
