@@ -201,10 +201,10 @@ def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: 
                  relaid: tuple | None = None):
   """A chunk's (delta, old bits at its positions, per-block counts, class tables of the ordered
   segments (if ``ranked``; for :func:`sparse_program`), the next snapshot, what its digest
-  gains over the snapshot's if no segment overflowed). The snapshot is donated. ``relaid``: per leaf, the snapshot's
-  sharding where ``new`` is laid out otherwise (a leaf the plan holds whole, as a train step
-  may split it), else None: such a leaf is cast and gathered here, so the next snapshot keeps
-  the snapshot's layout."""
+  gains over the snapshot's if no segment overflowed). The snapshot is donated. ``relaid``:
+  per leaf, the snapshot's sharding where ``new`` is laid out otherwise (a leaf the plan holds
+  whole, as a train step may split it), else None: such a leaf is cast and gathered here, so
+  the next snapshot keeps the snapshot's layout."""
   new = _relaid_new(plan, new, relaid)
   delta, old_values, block_counts = diff_flat_with_old(plan, snapshot, new)
   tables = tuple(_tables(plan, seg, snapshot) if ranked and seg.ordered else None
@@ -297,8 +297,9 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *,
   """The sender's device stage: (its changes, the next snapshot, its digest). ``snapshot`` is
   donated; ``base_digest`` (``uint32[2]``) is its digest, which the changes update: the
   digest is a sum over elements, so only the changed ones are read (all of them, only when a
-  segment overflowed its slots). ``ranks=False`` skips ranking (an anchor needs none). ``widths``: the sender's
-  :class:`DiffWidths` (each chunk's diff at its slot level; None: at the capacity)."""
+  segment overflowed its slots). ``ranks=False`` skips ranking (an anchor needs none).
+  ``widths``: the sender's :class:`DiffWidths` (each chunk's diff at its slot level; None: at
+  the capacity)."""
   chunks = chunks_of(plan)
   targets = diff_targets(new, snapshot)
   families = [("diff", c.plan, coding.ranked, _relaid(c.leaves(targets)),
@@ -325,7 +326,7 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *,
   next_snapshot = place_leaves(plan, chunks, [o[4] for o in outs], _cast_unchunked(plan, new))
   layouts = _trainer_layouts(plan)
   if widths is not None:  # what a version that overflows runs: compiled ahead
-    requests += [_digest_request(c, next_snapshot, layouts) for c in chunks]
+    requests += [r for r in (_digest_request(c, next_snapshot, layouts) for c in chunks) if r]
   if local_value(delta.overflow).any():  # the slots miss some changes: digest it all
     digest = leaves_digest(plan, next_snapshot, layouts)
   else:
@@ -352,12 +353,16 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *,
           digest)
 
 
-def _digest_request(chunk: Chunk, snapshot: list, layouts: tuple) -> tuple:
+def _digest_request(chunk: Chunk, snapshot: list, layouts: tuple) -> tuple | None:
   """A :meth:`SlotLevels.request` of the program that digests a chunk's next ``snapshot``
-  whole (laid out as ``snapshot``, split as ``layouts``: :func:`leaves_digest`)."""
-  leaves, chunk_layouts = [like(x) for x in chunk.leaves(snapshot)], tuple(chunk.leaves(layouts))
+  whole (laid out as ``snapshot``, split as ``layouts``: :func:`leaves_digest`), or None once
+  it is compiled or compiling."""
+  leaves = chunk.leaves(snapshot)
   family = ("digest", chunk.plan, tuple(x.sharding for x in leaves))
-  return (family, 0, lambda: digest_program.lower(leaves, chunk_layouts,
+  if not SLOT_LEVELS.wanted(family, 0):
+    return None
+  abstract, chunk_layouts = [like(x) for x in leaves], tuple(chunk.leaves(layouts))
+  return (family, 0, lambda: digest_program.lower(abstract, chunk_layouts,
                                                   chunk.leaf_id_array).compile(), None, None)
 
 
