@@ -41,8 +41,14 @@ class _Rollouts:
     os.kill(self.procs[(rollout_id, run)].pid, sig)
 
   def lines(self, rollout_id: str, run: int = 0) -> list[dict]:
+    """The lines a rollout has written whole (the last may still be in its write)."""
     path = self.work / f"{rollout_id}-{run}.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(x) for x in path.read_text().split("\n")[:-1]] if path.exists() else []
+
+  def logged(self, rollout_id: str, version: int, run: int = 0) -> bool:
+    """Whether the rollout has logged ``version`` (it reports a version before it logs it)."""
+    lines = self.lines(rollout_id, run)
+    return bool(lines) and lines[-1]["version"] == version
 
   def finish(self) -> None:
     self.stop.touch()
@@ -97,7 +103,8 @@ def run_scenario(feed, spec: str, work: Path, caplog) -> dict:
       lags.append(version - min(r.version for r in publisher.fleet() if r.live))
     seen["lags"] = lags
 
-    _until("the slow rollout at 6", lambda: _rows(publisher)["slow"].version == 6)
+    _until("the slow rollout at 6", lambda: _rows(publisher)["slow"].version == 6
+           and rollouts.logged("slow", 6))
     anchors_before = rollouts.lines("slow")[-1]["anchors"]
     rollouts.signal("slow", 0, signal.SIGSTOP)  # paused, not gone: retention waits for it
     publisher.max_lag = None
@@ -106,7 +113,8 @@ def run_scenario(feed, spec: str, work: Path, caplog) -> dict:
     seen["deltas_while_paused"] = sorted(e.version for e in feed.entries()
                                          if e.kind == "delta" and e.run == publisher.run)
     rollouts.signal("slow", 0, signal.SIGCONT)
-    _until("the slow rollout at 12", lambda: _rows(publisher)["slow"].version == 12)
+    _until("the slow rollout at 12", lambda: _rows(publisher)["slow"].version == 12
+           and rollouts.logged("slow", 12))
     seen["slow_anchors_catching_up"] = rollouts.lines("slow")[-1]["anchors"] - anchors_before
 
     rollouts.signal("slow", 0, signal.SIGKILL)  # gone: it holds nothing back
@@ -157,5 +165,6 @@ def check(seen: dict) -> None:
   assert all(v > 12 for v in seen["deltas_after_gone"]), seen  # released once it was gone
   assert seen["rows_with_forged"] == ["fast", "slow"] and seen["warned_statuses"] == 2
   assert seen["final"] == {"fast": (16, True, True), "slow": (16, True, True)}
-  assert seen["exact"] and seen["last"] == {"fast-0": 16, "slow-0": 12, "slow-1": 16}
-  assert seen["restarted_anchors"] == 1
+  assert seen["exact"], seen
+  assert seen["last"] == {"fast-0": 16, "slow-0": 12, "slow-1": 16}, seen["last"]
+  assert seen["restarted_anchors"] == 1, seen["restarted_anchors"]
