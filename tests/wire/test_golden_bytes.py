@@ -86,14 +86,15 @@ def _payloads():
   w = np.random.default_rng(2).normal(size=(64, 128)).astype(np.float32)
   trainer = NamedSharding(mesh, P("fsdp", None))
   moved = w * (1 + (np.abs(w) < 0.1) * 0.01)  # 8% of the elements
-  # A small split leaf takes pooled_capacity per block (1.0: a delta); at 0.05, the capacity it
-  # had before, the same update overflows its blocks (the bytes pinned before that change).
-  for names, options in ((("delta", "packed"), {}),
-                         (("overflow", "packed-overflow"), {"pooled_capacity": 0.05})):
+  # A small split leaf takes pooled_capacity per block (1.0: a delta); at 0.05 with static slots
+  # (max_capacity=0: no widening) the same update overflows its blocks.
+  for names, options, widen in ((("delta", "packed"), {}, {}),
+                                (("overflow", "packed-overflow"), {"pooled_capacity": 0.05},
+                                 {"max_capacity": 0})):
     plan = jsparse.make_plan({"w": jax.device_put(w, trainer)}, rollout_dtype=jnp.bfloat16,
                              **options)
     for name, coding in zip(names, ("ranked", "packed")):
-      sender = jsparse.Sender(plan, {"w": jax.device_put(w, trainer)}, coding=coding)
+      sender = jsparse.Sender(plan, {"w": jax.device_put(w, trainer)}, coding=coding, **widen)
       out[f"sharded/{name}"] = sender.send({"w": jax.device_put(moved, trainer)})
   return out
 

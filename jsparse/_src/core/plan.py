@@ -108,9 +108,8 @@ class Segment:
   @property
   def sparse_limit(self) -> int:
     """The most changes a sparse record of this segment may carry: its size (a sender widens
-    its slots past the capacity when the changes outgrow it), or for a leaf split into blocks
-    its capacity (each block keeps its slots)."""
-    return self.size if self.blocks == 1 else self.capacity
+    its slots past the capacity when the changes outgrow it)."""
+    return self.size
 
   @property
   def pooled(self) -> bool:

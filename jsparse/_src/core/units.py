@@ -253,11 +253,13 @@ def owned_slots(x: jax.Array, capacity: int, blocks: Sequence[int]) -> np.ndarra
 
 
 def unit_counts(plan: Plan, units: Sequence[Unit], counts: jax.Array, overflow: jax.Array,
-                block_counts: Sequence) -> list[np.ndarray | None]:
+                block_counts: Sequence, slots: Sequence[int] | None = None
+                ) -> list[np.ndarray | None]:
   """Per unit of ``units`` (owned by this process), a diff's changes in it per block (one entry
   for a whole segment), or None where they overflow its slots (the unit goes dense).
   ``counts``, ``overflow``: the diff's per-segment outputs; ``block_counts``: per segment, the
-  per-block counts of a split leaf."""
+  per-block counts of a split leaf; ``slots``: per segment, the diff's slots (a widened
+  diff's; default: the capacity), which a split leaf shares equally among its blocks."""
   counts, overflow = local_value(counts), local_value(overflow)
   found = []
   for unit in units:
@@ -266,7 +268,8 @@ def unit_counts(plan: Plan, units: Sequence[Unit], counts: jax.Array, overflow: 
       found.append(None if overflow[s] else counts[s:s + 1])
       continue
     per_block = owned_slots(block_counts[s], 1, unit.blocks)
-    found.append(None if np.any(per_block > seg.capacity // seg.blocks) else per_block)
+    limit = (seg.capacity if slots is None else slots[s]) // seg.blocks
+    found.append(None if np.any(per_block > limit) else per_block)
   return found
 
 

@@ -130,16 +130,19 @@ def segment_modes(plan: Plan, counts: np.ndarray, overflow: np.ndarray, full: bo
                for s, seg in enumerate(plan.segments))
 
 
-def _pack_job(chunk: Chunk, ranked: bool, by_rank: Sequence[bool], level: int, args: tuple
-              ) -> Callable[[], None]:
-  """What compiles a chunk's ``pack_program`` at slot ``level`` for arguments like ``args``
-  (the call's keys, new and old bits, counts and block counts; shapes taken now, the job holds
-  no array). ``by_rank``: per segment, whether its keys are ranks."""
+def _pack_job(chunk: Chunk, ranked: bool, by_rank: Sequence[bool], level: int, diff_level: int,
+              args: tuple) -> Callable[[], None]:
+  """What compiles a chunk's ``pack_program`` at slot ``level``, its diff's at ``diff_level``,
+  for arguments like ``args`` (the call's keys, new and old bits, counts and block counts;
+  shardings taken now, the job holds no array). ``by_rank``: per segment, whether its keys are
+  ranks."""
   keys, new, old, counts, block_counts = args
-  slots = programs.level_slots(chunk.plan, range(len(chunk.segment_ids)), level)
-  # The level's slots, but a split segment keeps its capacity (``sparse_program``), except
+  ids = range(len(chunk.segment_ids))
+  slots = programs.level_slots(chunk.plan, ids, level)
+  # The level's slots, but a split segment keeps all the diff's (``sparse_program``), except
   # for its ranks.
-  lengths = [n if seg.blocks == 1 else seg.capacity for n, seg in zip(slots, chunk.plan.segments)]
+  lengths = [n if seg.blocks == 1 else m for n, m, seg in
+             zip(slots, programs.level_slots(chunk.plan, ids, diff_level), chunk.plan.segments)]
   abstract = (tuple(programs.like(x, (n if r else m,)) for x, n, m, r in
                     zip(keys, slots, lengths, by_rank)),
               *(tuple(programs.like(x, (m,)) for x, m in zip(xs, lengths)) for xs in (new, old)),
@@ -186,10 +189,11 @@ def pack_chunks(plan: Plan, changes: DeviceChanges, full: bool, ranked: bool) ->
         programs.SLOT_LEVELS.ran(family, level, config)
       for wanted in sorted({needed, base, level} - ({level} if ran else set())):
         if programs.SLOT_LEVELS.wanted(family, wanted, config):
-          requests.append((family, wanted, _pack_job(c, ranked, by_rank, wanted, args),
+          requests.append((family, wanted, _pack_job(c, ranked, by_rank, wanted, base, args),
                            config, base))
       if ahead is not None and programs.SLOT_LEVELS.wanted(*ahead, config):
-        requests.append((*ahead, _pack_job(c, ranked, by_rank, ahead[1], args), config, None))
+        requests.append((*ahead, _pack_job(c, ranked, by_rank, ahead[1], ahead[1], args),
+                         config, None))
     launched.append(device_codes.pack_program(c.plan, ranked, *args) if ran else None)
   for request in requests:  # once this call's programs are dispatched
     programs.SLOT_LEVELS.request(*request)

@@ -128,7 +128,7 @@ def _launch(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
     inputs = [_single_device(x) for x in (keys, delta.values[s], changes.old_values[s])]
     inputs = jax.device_put(inputs, next(iter(inputs[0].devices())))
   else:
-    per_block = seg.capacity // seg.blocks
+    per_block = delta.indices[s].shape[0] // seg.blocks  # (widened with the diff)
     positions = _block_shards(delta.indices[s], per_block, unit.blocks)
     device = next(iter(positions[0].devices()))
     columns = [positions] + [_block_shards(x, per_block, unit.blocks, device)
@@ -143,11 +143,12 @@ def _launch(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
   return _Launched(mode, count, codes, outputs)
 
 
-def _pack_job(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool, level: int
-              ) -> Callable[[], None]:
-  """What compiles what :func:`_launch` runs for ``unit`` when the diff's slots are at slot
-  ``level`` (``programs.SlotLevels``), with the shapes and shardings of ``changes`` (taken
-  now: the job holds no array). A split leaf's unit keeps all its slots at every level."""
+def _pack_job(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool, level: int,
+              diff_level: int) -> Callable[[], None]:
+  """What compiles what :func:`_launch` runs for ``unit`` when the changes' slots are at slot
+  ``level`` (``programs.SlotLevels``) and the diff's at ``diff_level``, with the shardings of
+  ``changes`` (taken now: the job holds no array). A split leaf's unit keeps all the diff's
+  slots of its blocks at every level."""
   s, seg = unit.segment, plan.segments[unit.segment]
   delta, by_rank = changes.delta, _by_rank(plan, unit, ranked)
   columns = (changes.ranks[s] if by_rank else delta.indices[s], delta.values[s],
@@ -156,15 +157,15 @@ def _pack_job(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool, leve
     device = next(iter(_single_device(columns[0]).devices()))
     shape = (programs.level_slots(plan, (s,), level)[0],)
   else:
-    per_block = seg.capacity // seg.blocks
-    shards = [block_slots(x, per_block, unit.blocks) for x in columns]
+    shards = [block_slots(x, x.shape[0] // seg.blocks, unit.blocks) for x in columns]
     device = next(iter(shards[0][0].devices()))
+    per_block = programs.level_slots(plan, (s,), diff_level)[0] // seg.blocks
     shape = (per_block * len(unit.blocks),)
   on = jax.sharding.SingleDeviceSharding(device)
   placed = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on)
   inputs = [placed(shape, x.dtype) for x in columns]
   gather = None if seg.blocks == 1 else (
-      [[placed(b.shape, b.dtype) for b in column] for column in shards],
+      [[placed((per_block,), b.dtype) for b in column] for column in shards],
       placed((len(unit.blocks),), jnp.int32))
 
   def job() -> None:
@@ -193,11 +194,13 @@ def _pack_requests(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
   config, base = ("pack-unit", ranked, unit), family[2]
   if launched:
     programs.SLOT_LEVELS.ran(family, level, config)
-  requests = [(family, wanted, _pack_job(plan, unit, changes, ranked, wanted), config, base)
+  requests = [(family, wanted, _pack_job(plan, unit, changes, ranked, wanted, base), config,
+               base)
               for wanted in sorted({needed, base, level} - ({level} if launched else set()))
               if programs.SLOT_LEVELS.wanted(family, wanted, config)]
   if ahead is not None and programs.SLOT_LEVELS.wanted(*ahead, config):
-    requests.append((*ahead, _pack_job(plan, unit, changes, ranked, ahead[1]), config, None))
+    requests.append((*ahead, _pack_job(plan, unit, changes, ranked, ahead[1], ahead[1]), config,
+                     None))
   return requests
 
 

@@ -49,7 +49,8 @@ def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: Dev
   if full:
     return dense_records(plan, units, snapshot)
   delta = changes.delta
-  counts = unit_counts(plan, units, delta.counts, delta.overflow, changes.block_counts)
+  counts = unit_counts(plan, units, delta.counts, delta.overflow, changes.block_counts,
+                       [x.shape[0] for x in delta.indices])
   if coding.format == Format.PACKED:
     return packed_units.unit_records(plan, coding.ranked, units, counts, changes,
                                      lambda unit: dense_records(plan, [unit], snapshot)[0])
@@ -68,7 +69,7 @@ def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: Dev
           coding, seg, local_value(delta.indices[s])[:n], local_value(delta.values[s])[:n],
           local_value(changes.old_values[s])[:n], ranks))
       continue
-    per_block = seg.capacity // seg.blocks
+    per_block = delta.indices[s].shape[0] // seg.blocks  # (widened with the diff)
     positions = owned_slots(delta.indices[s], per_block, unit.blocks)
     used = positions < seg.size  # each block's changes ascend; blocks come in unit order
     records.append(sparse_record(

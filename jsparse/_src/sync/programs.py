@@ -167,9 +167,23 @@ def _relaid_new(plan: Plan, new: list, relaid: tuple | None) -> list:
 @functools.partial(jax.jit, static_argnums=0, static_argnames="relaid")
 def counts_program(plan: Plan, snapshot: list, new: list, *, relaid: tuple | None = None
                    ) -> jax.Array:
-  """A chunk's changes per segment, as its :func:`diff_program` counts them, the snapshot not
-  donated: what a sender's first delta sizes its diff's slots by (:class:`DiffWidths`)."""
-  return diff_flat_with_old(plan, snapshot, _relaid_new(plan, new, relaid))[0].counts
+  """A chunk's changes per segment as its slots must hold them (:func:`slot_counts`), the
+  snapshot not donated: what a sender's first delta sizes its diff's slots by
+  (:class:`DiffWidths`)."""
+  delta, _, block_counts = diff_flat_with_old(plan, snapshot, _relaid_new(plan, new, relaid))
+  return jnp.stack([delta.counts[s] if b is None else jnp.max(b) * seg.blocks
+                    for s, (seg, b) in enumerate(zip(plan.segments, block_counts))])
+
+
+def slot_counts(plan: Plan, counts: np.ndarray, block_counts: Sequence) -> np.ndarray:
+  """Per segment, the changes its slots must hold: ``counts[s]``, or for a segment split into
+  blocks (each block holds an equal share of its slots) its fullest block's times its blocks
+  (``block_counts[s]``: per block)."""
+  out = np.array(counts, np.int64)
+  for s, seg in enumerate(plan.segments):
+    if seg.blocks > 1 and block_counts[s] is not None:
+      out[s] = int(np.max(local_value(block_counts[s]))) * seg.blocks
+  return out
 
 
 def _slot_leaves(seg: Segment, positions: jax.Array, leaf_ids: jax.Array
@@ -338,7 +352,8 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *,
                         c.segments(delta.indices),
                         c.segments(delta.values), c.segments(old_values))
                for c, w in zip(chunks, diff_levels)]
-    aheads = [widths.follow((family, coding), c.plan, counts[list(c.segment_ids)], requests,
+    held = slot_counts(plan, counts, block_counts)
+    aheads = [widths.follow((family, coding), c.plan, held[list(c.segment_ids)], requests,
                             job)
               for c, family, job in zip(chunks, families, jobs)] if jobs else [None] * len(chunks)
     levels = tuple((*level, ahead) for (_, level), ahead in zip(trimmed, aheads))
@@ -413,6 +428,7 @@ class DiffWidths:
     self._levels: dict[Any, int] = {}
     self._wanted: dict[Any, int] = {}  # a level asked for, used once compiled
     self._armed: dict[Any, int] = {}  # a level compiled by the last sync: used from this one
+    self._first_coding: Any = None  # the coding of the sender's first delta
 
   def start(self, key: tuple, chunk_plan: Plan, delta: bool,
             counts: Callable[[], np.ndarray]) -> int:
@@ -423,9 +439,11 @@ class DiffWidths:
     at the capacity, compiled ahead by the choice's calibration; an anchor at the capacity."""
     if jax.process_count() > 1 or not delta:
       return 0
-    if key not in self._levels:
-      self._levels[key] = 0 if self._levels else self._level_for(
-          chunk_plan, counts(), 2 * self.headroom)
+    if self._first_coding is None:
+      self._first_coding = key[1]
+    if key not in self._levels:  # every chunk of the first delta counts its changes
+      self._levels[key] = self._level_for(chunk_plan, counts(), 2 * self.headroom) \
+          if key[1] == self._first_coding else 0
     armed = self._armed.pop(key, None)
     if armed is not None:  # compiled by the last sync
       self._levels[key] = armed
@@ -475,12 +493,10 @@ class DiffWidths:
 
   def _level_for(self, chunk_plan: Plan, counts: np.ndarray, headroom: float) -> int:
     """The level (at most 0, at least the widest) whose slots hold ``counts`` times
-    ``headroom`` in every segment (a segment split into blocks never widens)."""
+    ``headroom`` in every segment (for a segment split into blocks, ``counts`` is its fullest
+    block's times its blocks: :func:`slot_counts`)."""
     ids = range(len(chunk_plan.segments))
     want = np.ceil(np.asarray(counts, np.float64) * headroom)
-    split = np.array([seg.blocks > 1 for seg in chunk_plan.segments])
-    capacity = np.array([seg.capacity for seg in chunk_plan.segments])
-    want = np.where(split, np.minimum(want, capacity), want)
     return min(0, needed_level(chunk_plan, ids, want,
                                lowest=widest_level(chunk_plan, ids, self.max_share)))
 
@@ -502,7 +518,7 @@ def ahead_key(key: tuple) -> tuple:
 # segment's size): a sender widens the diff of a chunk whose changes outgrow its capacity
 # (:class:`DiffWidths`), so that a dense step (a high learning rate, the first steps of a run)
 # is still coded sparsely; receivers size their slots the same way. A segment the trainer
-# splits into blocks keeps its capacity at every wider level.
+# splits into blocks widens block by block: each block's slots, at most the block's size.
 NUM_LEVELS = 7
 MIN_LEVEL = -40  # wider than any segment needs (2**20 times the capacity)
 _ROOT_HALF = (181, 256)  # 1/sqrt(2) to 8 bits, in integers: every process sizes alike
@@ -512,7 +528,7 @@ _ROOT_TWO = (362, 256)  # sqrt(2), likewise
 def level_slots(plan: Plan, segment_ids: Sequence[int], level: int) -> tuple[int, ...]:
   """The slots of ``segment_ids`` at slot level ``level``: their capacities times
   ``2**(-level/2)`` (rounded up, in integers; at a level below 0, at most the segment's size,
-  and a segment split into blocks keeps its capacity).
+  and for a segment split into blocks, each block's slots so widened, at most its size).
 
   >>> import jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, capacity=0.1, bucket_size=1000)
@@ -526,12 +542,12 @@ def level_slots(plan: Plan, segment_ids: Sequence[int], level: int) -> tuple[int
       halvings, odd = divmod(level, 2)
       num, den = _ROOT_HALF if odd else (1, 1)
       out.append(-(-seg.capacity * num // (den << halvings)))
-    elif seg.blocks > 1:
-      out.append(seg.capacity)
     else:
       doublings, odd = divmod(-level, 2)
       num, den = _ROOT_TWO if odd else (1, 1)
-      out.append(min(seg.size, -(-(seg.capacity << doublings) * num // den)))
+      blocks = seg.blocks
+      per_block = seg.capacity // blocks
+      out.append(blocks * min(seg.size // blocks, -(-(per_block << doublings) * num // den)))
   return tuple(out)
 
 
@@ -569,14 +585,13 @@ def widest_level(plan: Plan, segment_ids: Sequence[int], max_share: float) -> in
 
 @functools.lru_cache(maxsize=256)
 def widened(plan: Plan, level: int) -> Plan:
-  """``plan`` with the capacity of each segment (not split into blocks) at slot ``level``
-  (``plan`` itself at level 0 or above): what a widened diff runs on."""
+  """``plan`` with the capacity of each segment at slot ``level`` (``plan`` itself at level 0
+  or above): what a widened diff runs on."""
   if level >= 0:
     return plan
   slots = level_slots(plan, range(len(plan.segments)), level)
   return dataclasses.replace(plan, segments=tuple(
-      seg if seg.blocks > 1 else dataclasses.replace(seg, capacity=n)
-      for seg, n in zip(plan.segments, slots)))
+      dataclasses.replace(seg, capacity=n) for seg, n in zip(plan.segments, slots)))
 
 
 def slots_needed(plan: Plan, counts) -> tuple[int, ...]:
@@ -869,12 +884,13 @@ def receiver_widest(chunk_plan: Plan) -> int:
 def widens(chunk_plan: Plan, counts: Sequence[int], dense: Sequence[bool] = ()) -> bool:
   """Whether a sender's diff of a chunk (not of several processes) widens past its capacity
   after a version in which its segments had ``counts`` changes (``dense``: per segment,
-  whether it was sent densely in a delta, its changes unknown): some segment not split into
-  blocks came within the headroom of its capacity, or over it (:class:`DiffWidths`). A
-  receiver then compiles the widest level ahead."""
+  whether it was sent densely in a delta, its changes unknown): some segment came within the
+  headroom of its capacity, or over it (:class:`DiffWidths`); a segment split into blocks
+  within twice that, as the sender counts its fullest block (:func:`slot_counts`), which a
+  receiver does not see. A receiver then compiles the widest level ahead."""
   for seg, n, d in itertools.zip_longest(chunk_plan.segments, counts, dense, fillvalue=False):
-    if seg.blocks == 1 and seg.capacity < seg.size and (
-        d or math.ceil(int(n) * WIDEN_HEADROOM) > seg.capacity):
+    headroom = WIDEN_HEADROOM * (2 if seg.blocks > 1 else 1)
+    if seg.capacity < seg.size and (d or math.ceil(int(n) * headroom) > seg.capacity):
       return True
   return False
 

@@ -135,8 +135,9 @@ class Sender:
       ``4 * max_capacity`` times the rollout bytes of the segments that widen), and compiled,
       a bf16 segment's diff takes 3.9x its rollout bytes at 5% and 11.6x widened whole. Its
       programs compile in the background. 0: slots never widen, and a segment over its
-      capacity is sent densely. Segments the trainer splits into blocks, and jobs of several
-      processes, keep the capacity. See ``programs.DiffWidths``.
+      capacity is sent densely. A segment the trainer splits into blocks widens block by
+      block (its fullest block sets the level); jobs of several processes keep the capacity.
+      See ``programs.DiffWidths``.
 
   Raises:
     ConfigError: a bad option.

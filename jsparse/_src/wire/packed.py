@@ -194,9 +194,10 @@ def decode_body(plan: Plan, kind: Kind, reader: Reader) -> PackedBody:
     if seg.blocks > 1 and counts[s]:
       where = plan.describe_segment(s)
       per_block = reader.array(np.uint32, seg.blocks, f"{where} block counts").astype(np.int64)
-      if per_block.sum() != counts[s] or per_block.max() > seg.capacity // seg.blocks:
+      block = seg.size // seg.blocks  # (a sender widens a block's slots up to its size)
+      if per_block.sum() != counts[s] or per_block.max() > block:
         raise PayloadError(f"{where}: block counts {per_block.tolist()} do not add up to "
-                           f"{counts[s]} changes within {seg.capacity // seg.blocks} per block")
+                           f"{counts[s]} changes within {block} per block")
       block_counts[s] = per_block
   streams = []
   for k, chunk in enumerate(chunks_of(plan)):
