@@ -97,7 +97,7 @@ def tunix_plan(trainer_state: PyTree, rollout_state: PyTree, *, capacity: float 
                    pooled_capacity=pooled_capacity)
 
 
-def use_sparse_sync(rl_cluster: Any, *, feed: Feed | None = None, coding: str = "ranked",
+def use_sparse_sync(rl_cluster: Any, *, feed: Feed | None = None, coding: str = "positioned",
                     capacity: float = 0.05, donate: bool = True,
                     chunk_bytes: int = 64 << 20, key: SigningKey | None = None) -> SparseRollout:
   """Makes ``rl_cluster``'s weight syncs sparse; returns the :class:`SparseRollout` now in it.

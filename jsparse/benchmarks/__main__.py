@@ -312,7 +312,7 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
     if args.cost_params:
       with table("costs large"):
         results["costs"]["large"] = costs.cost_table(
-            *scale.large_step(args.cost_params), codings=costs.DEFAULT_AND_PACKED)
+            *scale.large_step(args.cost_params), codings=costs.LARGE_STEP_CODINGS)
         costs.print_cost_table("a layered tree after one RL-like step",
                                results["costs"]["large"])
   if args.only in (None, "link"):

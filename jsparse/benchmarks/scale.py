@@ -183,7 +183,7 @@ def _scaling_point(params_target: int, width: int, steps: int = 3, stages: bool 
     snapshot = plan.cast(params)
     params = jax.block_until_ready(step(params, steps))
     data = sender.send(params)
-    row["stages"] = sync.stage_times(plan, Coding.RANKED, snapshot, params, data, repeats=2)
+    row["stages"] = sync.stage_times(plan, Coding.POSITIONED, snapshot, params, data, repeats=2)
     row["floors"] = sync.floor_times(plan, snapshot, params, repeats=2)
   return row
 

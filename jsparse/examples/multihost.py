@@ -452,7 +452,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--trainer-devices", type=int, default=8)
   parser.add_argument("--chunk-bytes", type=int, default=128 << 10,
                       help="trainer: rollout bytes per streamed part (several per process)")
-  parser.add_argument("--coding", default="ranked", help="trainer: the Sender's coding")
+  parser.add_argument("--coding", default="positioned", help="trainer: the Sender's coding")
   parser.add_argument("--quantize", default=None,
                       help="a preset of jsparse.quantized (e.g. fp8_per_channel): the rollout "
                            "holds quantized weights")

@@ -18,8 +18,9 @@ FOUR_STEPS = 2  # training steps of the 4-process trainer (versions 2..3)
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
   fsdp = tmp_path_factory.mktemp("trainer_2x4")
-  reports = {"trainer": multihost.launch("trainer", 2, 4, str(fsdp), ["--save-state", "--chain"],
-                                         timeout=TIMEOUT)}
+  reports = {"trainer": multihost.launch(
+      "trainer", 2, 4, str(fsdp), ["--save-state", "--chain", "--coding", "ranked"],  # ranks
+      timeout=TIMEOUT)}  # resolved across the rollout processes that split a leaf
   reports["one"] = multihost.launch("rollout", 1, 8, str(fsdp), ["--name", "one", "--faults"],
                                     timeout=TIMEOUT)
   reports["two"] = multihost.launch("rollout", 2, 4, str(fsdp),
@@ -42,7 +43,7 @@ def jobs(tmp_path_factory):
   reports["after4"] = multihost.launch("rollout", 2, 4, str(four),
                                        ["--name", "after4", *steps4], timeout=TIMEOUT)
   quantized = tmp_path_factory.mktemp("trainer_fp8")  # FP8 rollout weights, per channel
-  fp8 = ["--quantize", "fp8_per_channel", "--steps", "3"]
+  fp8 = ["--quantize", "fp8_per_channel", "--steps", "3"]  # the default coding, positioned
   reports["trainer_fp8"] = multihost.launch("trainer", 2, 4, str(quantized), fp8,
                                             timeout=TIMEOUT)
   reports["rollout_fp8"] = multihost.launch("rollout", 2, 4, str(quantized),

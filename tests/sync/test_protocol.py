@@ -270,7 +270,7 @@ def test_slots_follow_each_chunks_changes_not_the_fullest_chunk():
 
 def test_decoded_but_wrong_payload_is_caught_end_to_end_and_applies_nothing():
   plan, tree = _mixed_plan(), _mixed_tree(0)
-  sender = jsparse.Sender(plan, tree)
+  sender = jsparse.Sender(plan, tree, coding="ranked")
   data = sender.send(strategies.nudge(np.random.default_rng(2), tree, 0.03))
   payload = framing.decode(plan, data)
   s = next(i for i, p in enumerate(payload.segments) if p.mode == Mode.BY_RANK)

@@ -43,7 +43,7 @@ def test_one_payload_stream_serves_rollouts_with_different_meshes():
   whole copy, an 8-way column split, a 2x4 split and tensor-parallel 1, 2 and 4 replicas."""
   base, _ = trees(4, 0.0)
   plan = jsparse.make_plan(base, rollout_dtype=jnp.bfloat16, bucket_size=256)
-  sender = jsparse.Sender(plan, base)
+  sender = jsparse.Sender(plan, base, coding="ranked")  # ranks resolved block by block
   layouts = ["single", "fsdp2", "fsdp4", "fsdp8", "dp2xtp4", "tp4xdp2", "fsdp2xtp2"]
   receivers = [jsparse.Receiver(plan, place(jax.tree.map(np.asarray, plan.cast(base)), name))
                for name in layouts]

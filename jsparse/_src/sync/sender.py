@@ -117,10 +117,11 @@ class Sender:
     params: the params the receiver starts from, in trainer or rollout dtypes.
     version: the version ``params`` are (the receiver must start from the same one).
     anchor_every: if set, every ``anchor_every``-th version is sent as a full (dense) anchor.
-    coding: a :class:`~jsparse.Coding` (or its string): ``"ranked"`` (the default, ~1 byte
-      per change on RL updates), ``"packed"`` (about as small, coded on the device: for
-      accelerators), ``"positioned"``, ``"lists"`` (4 bytes per change, the least device
-      work), or ``"auto"`` (per version, the fastest over ``link_gbit``, from each coding's time
+    coding: a :class:`~jsparse.Coding` (or its string): ``"positioned"`` (the default, ~1.35
+      bytes per change on RL updates, each side's device passes near one read of the weights),
+      ``"ranked"`` (~1 byte per change, the receiver building class tables of its weights: for
+      slow links), ``"packed"`` (as small, coded on the device: for accelerators), ``"lists"``
+      (4 bytes per change, the least device work), or ``"auto"`` (per version, the fastest over ``link_gbit``, from each coding's time
       on this tree, measured again when the density moves; on every path; see
       :attr:`SendStats.coding` and ``sync/auto.py``).
     link_gbit: the link's bandwidth in Gbit/s, for ``coding="auto"`` (an attribute: set it when
@@ -154,7 +155,7 @@ class Sender:
 
   @mesh_neutral
   def __init__(self, plan: Plan, params: PyTree, *, version: int = 0,
-               anchor_every: int | None = None, coding: Coding | str = Coding.RANKED,
+               anchor_every: int | None = None, coding: Coding | str = Coding.POSITIONED,
                link_gbit: float = auto.DEFAULT_LINK_GBIT,
                max_capacity: float = programs.DEFAULT_MAX_CAPACITY):
     self.max_capacity = float_option("max_capacity", max_capacity, minimum=0.0)
@@ -204,7 +205,7 @@ class Sender:
 
   @classmethod
   def restore(cls, plan: Plan, state: SyncState, *, anchor_every: int | None = None,
-              coding: Coding | str = Coding.RANKED,
+              coding: Coding | str = Coding.POSITIONED,
               link_gbit: float = auto.DEFAULT_LINK_GBIT,
               max_capacity: float = programs.DEFAULT_MAX_CAPACITY) -> "Sender":
     """A sender that resumes from ``state`` (from :meth:`state`, e.g. restored by Orbax).

@@ -73,14 +73,14 @@ FORMAT_MODES = {
 class Coding(str, enum.Enum):
   """How a :class:`~jsparse.Sender` codes its payloads (a string works too: ``"lists"``).
 
-  - ``RANKED`` (the default): format 2, changes named by rank in the exponent-class order where
-    the plan allows, values as ulp codes: the fewest bytes (~1 B/change on RL updates); the
-    receiver makes one pass over its params per payload.
-  - ``POSITIONED``: format 2 with changes named by position: ~0.3 B more per change, no pass
-    over the params on either side beyond the diff (measured on a CPU, a 21M-parameter
-    model's 1% step: device passes 1.3x a compare-and-count and 1.3x a dense copy, against
-    2.2x and 8x ranked, whose receiver builds class tables of its params); the better choice
-    where the device passes, not the bytes, decide.
+  - ``POSITIONED`` (the default): format 2, changes named by position, values as ulp codes:
+    ~1.35 B/change on RL updates, and no pass over the params on either side beyond the diff
+    and the writes (measured on a CPU, a 21M-parameter model's 1% step: device passes 1.3x a
+    compare-and-count and 1.3x a dense copy).
+  - ``RANKED``: format 2 with changes named by rank in the exponent-class order where the plan
+    allows: the fewest bytes (~1 B/change, 0.75x ``POSITIONED``'s), but the receiver builds
+    class tables of its params for every payload (same step: 2.2x and 8x): for slow links,
+    where the bytes decide.
   - ``LISTS``: format 1, positions and raw new bits: 4 B/change for 16-bit dtypes, the least
     device work; for fast links.
   - ``PACKED``: format 3, the ranks and ulp codes of ``RANKED`` bit-packed in blocks of 32 by
