@@ -309,6 +309,16 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
           f"{_setup(x) / x['plain jit']:.0f}x",
           f"{x['send'] / x['params'] * 1e9:.1f}", f"{x['receive'] / x['params'] * 1e9:.1f}"]
          for n, x in compile_rows.items()])
+  if r.get("first_sync"):
+    mlp, demo = r["first_sync"]["mlp"], r["first_sync"]["demo"]
+    v["first_sync_table"] = lambda: _rows(
+        ["model", "params", "`make_plan`", "`Sender()`", "`Receiver()`", "first sync",
+         "next sync"],
+        [["Flax MLP, FSDP", _params(mlp["params"]), f"{mlp['plan']:.2f}", f"{mlp['sender']:.2f}",
+          f"{mlp['receiver']:.2f}", f"{mlp['first send'] + mlp['first receive']:.2f}",
+          f"{mlp['send'] + mlp['receive']:.3f}"],
+         ["the demo's TinyLM", _params(demo["params"]), "", "", "",
+          f"{demo['first sync']:.2f}", f"{demo['sync']:.3f}"]])
   if r.get("scaling"):
     scaling = r["scaling"]
     per = [(x["send"] + x["receive"]) / x["params"] * 1e9 for x in scaling]

@@ -199,6 +199,7 @@ def _tables(args: argparse.Namespace) -> list[str]:
     names += ["host_rate", "estimate", "coding"]
     names += [f"scaling {p / 1e6:g}M" for p in args.scale_params]
     names += [f"compile {n} leaves" for n in args.leaf_counts]
+    names.append("first sync")
   if only in (None, "scale", "memory"):
     names.append("host_memory")
   if only in (None, "quantized"):
@@ -368,6 +369,10 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
       with table(f"compile {n} leaves"):
         results["compile"].update(scale.compile_times([n]))
     scale.print_compile_times(results["compile"])
+    from jsparse.benchmarks import first_sync
+    with table("first sync"):
+      results["first_sync"] = first_sync.first_syncs()
+    first_sync.print_first_syncs(results["first_sync"])
   if args.only in (None, "scale", "memory"):
     with table("host_memory"):
       step = (results["sync"]["step"] if "sync" in results

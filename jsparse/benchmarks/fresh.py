@@ -1,5 +1,5 @@
-"""Runs one benchmark point in a fresh Python process (no compilation cached, its own memory and
-device count) and returns what it printed last, as JSON."""
+"""Runs one benchmark point in a fresh Python process (no compilation cached, JAX's persistent
+cache off, its own memory and device count) and returns what it printed last, as JSON."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def in_fresh_process(module: str, call: str, devices: int | None = None) -> dict
   >>> in_fresh_process("math", "floor(2.5)")
   2
   """
-  env = dict(os.environ)
+  env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
   if devices is not None:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(devices)}"
   code = f"import json, {module} as m; print(json.dumps(m.{call}))"
