@@ -320,3 +320,20 @@ def test_no_compile_after_the_first_sync_on_either_side_at_default_settings(mesh
   assert programs.wait_for_slot_levels(timeout=600)
   late = {run: steps for run, steps in late.items() if steps}
   assert not late, f"compiled after the first sync, (path, coding): (step, side, programs): {late}"
+
+
+def test_distinct_programs_compile_side_by_side_and_the_calls_find_them(monkeypatch):
+  """``compile_distinct`` compiles each distinct program once, on its own threads: the calls
+  that follow compile nothing on the calling thread, and a key seen before compiles nothing."""
+  from jsparse._src.sync import compile_side_by_side
+  monkeypatch.setenv("JSPARSE_THREADS", "2")
+  shift = jax.jit(lambda x, k: x + k, static_argnums=1)
+  calls = [((shift, n, k), shift, (jnp.zeros(n, jnp.float32), k), {})
+           for n in (171, 173) for k in (3, 5) for _ in range(2)]
+  before = _compiles()
+  assert compile_side_by_side.compile_distinct(calls) == 4
+  assert _compiles() == before  # compiled on the pool's threads
+  outs = [fn(*args) for _, fn, args, _ in calls]
+  assert _compiles() == before, "a call compiled its program again"
+  assert [int(o[0]) for o in outs] == [3, 3, 5, 5] * 2
+  assert compile_side_by_side.compile_distinct(calls) == 0

@@ -51,6 +51,7 @@ from jsparse._src.core.units import local_value
 from jsparse._src.device import block_ranks
 from jsparse._src.device import ranks as ranks_lib
 from jsparse._src.device import ulp_codes
+from jsparse._src.sync.compile_side_by_side import compile_distinct
 from jsparse._src.wire.payload import Coding
 
 
@@ -139,7 +140,10 @@ def _cast_unchunked(plan: Plan, flat: list) -> list:
 def snapshot_and_digest(plan: Plan, flat: list) -> tuple[list[jax.Array], jax.Array]:
   """The rollout-dtype snapshot of trainer leaves, and its digest."""
   chunks = chunks_of(plan)
-  outs = [snapshot_program(c.plan, c.leaves(flat), c.leaf_id_array) for c in chunks]
+  calls = [(("snapshot", c.plan, tuple(getattr(x, "sharding", None) for x in c.leaves(flat))),
+            snapshot_program, (c.plan, c.leaves(flat), c.leaf_id_array), {}) for c in chunks]
+  compile_distinct(calls)
+  outs = [fn(*args) for _, fn, args, _ in calls]
   return (place_leaves(plan, chunks, [o[0] for o in outs], _cast_unchunked(plan, flat)),
           sum_digests([o[1] for o in outs]))
 
@@ -171,19 +175,19 @@ def counts_program(plan: Plan, snapshot: list, new: list, *, relaid: tuple | Non
   snapshot not donated: what a sender's first delta sizes its diff's slots by
   (:class:`DiffWidths`)."""
   delta, _, block_counts = diff_flat_with_old(plan, snapshot, _relaid_new(plan, new, relaid))
-  return jnp.stack([delta.counts[s] if b is None else jnp.max(b) * seg.blocks
+  return slot_counts(plan, delta.counts, block_counts)
+
+
+def slot_counts(plan: Plan, counts: jax.Array, block_counts: Sequence) -> jax.Array:
+  """Inside a program: ``int32[segments]``, per segment the changes its slots must hold:
+  ``counts[s]``, or for a segment split into blocks (each block holds an equal share of its
+  slots) its fullest block's times its blocks (``block_counts[s]``: per block). Reduced on
+  the device, so that every process of a multi-host job reads the same (its blocks are split
+  across the processes)."""
+  if not plan.segments:
+    return jnp.zeros((0,), jnp.int32)
+  return jnp.stack([counts[s] if b is None or seg.blocks == 1 else jnp.max(b) * seg.blocks
                     for s, (seg, b) in enumerate(zip(plan.segments, block_counts))])
-
-
-def slot_counts(plan: Plan, counts: np.ndarray, block_counts: Sequence) -> np.ndarray:
-  """Per segment, the changes its slots must hold: ``counts[s]``, or for a segment split into
-  blocks (each block holds an equal share of its slots) its fullest block's times its blocks
-  (``block_counts[s]``: per block)."""
-  out = np.array(counts, np.int64)
-  for s, seg in enumerate(plan.segments):
-    if seg.blocks > 1 and block_counts[s] is not None:
-      out[s] = int(np.max(local_value(block_counts[s]))) * seg.blocks
-  return out
 
 
 def _slot_leaves(seg: Segment, positions: jax.Array, leaf_ids: jax.Array
@@ -215,10 +219,10 @@ def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: 
                  relaid: tuple | None = None):
   """A chunk's (delta, old bits at its positions, per-block counts, class tables of the ordered
   segments (if ``ranked``; for :func:`sparse_program`), the next snapshot, what its digest
-  gains over the snapshot's if no segment overflowed). The snapshot is donated. ``relaid``:
-  per leaf, the snapshot's sharding where ``new`` is laid out otherwise (a leaf the plan holds
-  whole, as a train step may split it), else None: such a leaf is cast and gathered here, so
-  the next snapshot keeps the snapshot's layout."""
+  gains over the snapshot's if no segment overflowed, its :func:`slot_counts`). The snapshot
+  is donated. ``relaid``: per leaf, the snapshot's sharding where ``new`` is laid out otherwise
+  (a leaf the plan holds whole, as a train step may split it), else None: such a leaf is cast
+  and gathered here, so the next snapshot keeps the snapshot's layout."""
   new = _relaid_new(plan, new, relaid)
   delta, old_values, block_counts = diff_flat_with_old(plan, snapshot, new)
   tables = tuple(_tables(plan, seg, snapshot) if ranked and seg.ordered else None
@@ -227,9 +231,10 @@ def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: 
   # Every read of the snapshot comes before the next snapshot is cast into its (donated)
   # buffers: XLA would otherwise copy the snapshot first (two more passes, and a temporary of
   # its size).
-  read = (delta, old_values, block_counts, tables, gain)
+  read = (delta, old_values, block_counts, tables, gain,
+          slot_counts(plan, delta.counts, block_counts))
   new, read = jax.lax.optimization_barrier((new, read))
-  return (*read[:4], cast_flat(plan, new), read[4])
+  return (*read[:4], cast_flat(plan, new), *read[4:])
 
 
 @jax.jit
@@ -323,13 +328,21 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *,
   requests = []
   jobs = [functools.partial(_diff_job, c, coding.ranked, snap, fresh, family[3])
           for c, family, (snap, fresh) in zip(chunks, families, abstract)] if abstract else ()
-  counts_of = lambda c: lambda: local_value(counts_program(
-      c.plan, c.leaves(snapshot), c.leaves(new), relaid=_relaid(c.leaves(targets))))
-  diff_levels = [widths.start((f, coding), c.plan, ranks, counts_of(c))
-                 for c, f in zip(chunks, families)] if jobs else [0] * len(chunks)
-  outs = [diff_program(widened(c.plan, w), coding.ranked, c.leaves(snapshot), c.leaves(new),
-                       c.leaf_id_array, relaid=_relaid(c.leaves(targets)))
-          for c, w in zip(chunks, diff_levels)]
+  counts_calls = [(("counts", f), counts_program, (c.plan, c.leaves(snapshot), c.leaves(new)),
+                   {"relaid": f[3]}) for c, f in zip(chunks, families)]
+  if jobs:
+    compile_distinct(call for call, f in zip(counts_calls, families)
+                     if widths.counts((f, coding), ranks))
+  diff_levels = [widths.start((f, coding), c.plan, ranks,
+                              lambda call=call: local_value(call[1](*call[2], **call[3])))
+                 for c, f, call in zip(chunks, families, counts_calls)
+                 ] if jobs else [0] * len(chunks)
+  diff_calls = [(("diff", f, w, tuple(getattr(x, "sharding", None) for x in c.leaves(new))),
+                 diff_program, (widened(c.plan, w), coding.ranked, c.leaves(snapshot),
+                                c.leaves(new), c.leaf_id_array), {"relaid": f[3]})
+                for c, f, w in zip(chunks, families, diff_levels)]
+  compile_distinct(diff_calls)
+  outs = [fn(*args, **kwargs) for _, fn, args, kwargs in diff_calls]
   deltas = [o[0] for o in outs]
   delta = Delta(place_segments(plan, chunks, [d.indices for d in deltas]),
                 place_segments(plan, chunks, [d.values for d in deltas]),
@@ -352,7 +365,7 @@ def sender_changes(plan: Plan, coding: Coding, snapshot: list, new: list, *,
                         c.segments(delta.indices),
                         c.segments(delta.values), c.segments(old_values))
                for c, w in zip(chunks, diff_levels)]
-    held = slot_counts(plan, counts, block_counts)
+    held = local_value(_segment_array(plan, [o[6] for o in outs], jnp.zeros((0,), jnp.int32)))
     aheads = [widths.follow((family, coding), c.plan, held[list(c.segment_ids)], requests,
                             job)
               for c, family, job in zip(chunks, families, jobs)] if jobs else [None] * len(chunks)
@@ -456,6 +469,11 @@ class DiffWidths:
       # programs of that level a little later, has had a step to compile them too.
       self._armed[key] = wanted
     return self.level(key)
+
+  def counts(self, key: tuple, delta: bool) -> bool:
+    """Whether :meth:`start` of ``key`` counts the chunk's changes first (a first delta)."""
+    return (jax.process_count() == 1 and delta and key not in self._levels
+            and self._first_coding in (None, key[1]))
 
   def level(self, key: tuple) -> int:
     """The slot level a chunk's diff runs at now (0: its capacity)."""
@@ -914,7 +932,7 @@ def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs,
   digested whole (the apply of a chunk with a split leaf digests it whole, the apply of
   another returns its gain: see :func:`apply_program`)."""
   chunks = chunks_of(plan)
-  outs, requests = [], []
+  applies, requests = [], []
   gains = base is not None and not any(layouts)
   # Chunks with leaves written whole: their gain is the difference of their whole digests.
   rewritten = [any(flat[i] is not base[0][i] for i in c.leaf_ids) if gains else False
@@ -945,8 +963,13 @@ def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs,
     if inputs.coded and any(ranked):  # (unused slots hold the segment size already: keys
       # that are positions need no pass)
       indices = positions_program(c.plan, chunk_layouts, ranked, chunk_flat, keys, counts)
-    outs.append(apply_program(donate)(c.plan, chunk_layouts, inputs.coded, chunk_flat, indices,
-                                      values, c.leaf_id_array))
+    applies.append(((c.plan, chunk_layouts, inputs.coded, bool(donate),
+                     tuple(getattr(x, "sharding", None) for x in chunk_flat),
+                     tuple(x.shape for x in indices)),
+                    apply_program(donate), (c.plan, chunk_layouts, inputs.coded, chunk_flat,
+                                            indices, values, c.leaf_id_array), {}))
+  compile_distinct(applies)
+  outs = [fn(*args) for _, fn, args, _ in applies]
   for request in requests:  # once this call's programs are compiled: not competing with them
     SLOT_LEVELS.request(*request)
   out = place_leaves(plan, chunks, [o[0] for o in outs], flat)
