@@ -333,12 +333,12 @@ class DeltaCheckpointManager:
         if meta["kind"] == "parts":
           rows = np.zeros((len(meta["lengths"]), max(meta["lengths"])), np.uint8)
           rows = self._restore_item(s, "parts", ocp.args.StandardRestore({"bytes": rows}))
-          receiver.receive_parts([np.asarray(row[:n]).tobytes()
+          receiver.receive([np.asarray(row[:n]).tobytes()
                                   for row, n in zip(rows["bytes"], meta["lengths"])])
           continue
         target = ocp.args.StandardRestore(_delta_target(self.plan, meta))
         arrays = self._restore_item(s, "delta", target)
-        receiver.apply_payload(check_records(self.plan,
+        receiver.receive(check_records(self.plan,
                                              _payload_from_arrays(self.plan, meta, arrays)))
       except JsparseError as e:
         raise CheckpointError(f"step {s}: delta is corrupted ({e}); steps up to {s - 1} of "

@@ -98,7 +98,7 @@ def _streamed(sender, receiver, state, bucket: TokenBucket, full: bool, chunk_by
 def _one_shot(sender, receiver, state, bucket: TokenBucket, full: bool):
   data = sender.send_part(state, full=full)
   bucket.transmit(len(data))
-  return receiver.receive_parts([data])
+  return receiver.receive([data])
 
 
 def stream_times(plan, states: Sequence, rates_gbit: Sequence[float] = (1.0, 10.0),

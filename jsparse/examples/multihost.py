@@ -322,7 +322,7 @@ def rollout(args: argparse.Namespace) -> dict:
     if args.faults and version == 3:
       report["refused"] = _refusals(plan, receiver, parts, out)
     with _host_peak() as host:
-      params = receiver.receive_parts(parts)  # --- jsparse: one call per version ---
+      params = receiver.receive(parts)  # --- jsparse: one call per version ---
     _check_bits(params, out / STEP_DIR.format(version=version) / "expected.npz")
     report["versions"].append({"version": version, "host_peak_bytes": host["peak"],
                                **vars(receiver.last_read)})
@@ -386,7 +386,7 @@ def _refusals(plan, receiver, parts: list, out: Path) -> list:
       given = parts[:j] + [bytes(corrupt)] + parts[j + 1:]
       name += " (read by the last process only)" if only_last else ""
     try:
-      receiver.receive_parts(given)
+      receiver.receive(given)
       outcomes.append({"case": name, "refused": False})
     except jsparse.PayloadError as e:
       outcomes.append({"case": name, "refused": True, "error": str(e)[:160],

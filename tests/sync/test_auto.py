@@ -138,7 +138,7 @@ def test_auto_chooses_on_parts_and_streams(run, path):
     for params in steps[1:4]:
       if path == "part":
         parts = [sender.send_part(params)]
-        receiver.receive_parts(parts)
+        receiver.receive(parts)
       else:
         stream, parts = receiver.open_stream(), []
         for part in sender.send_stream(params, chunk_bytes=1 << 16):

@@ -43,7 +43,7 @@ def _sync(start, states, coding, *, capacity=None, max_capacity=None, path="payl
       receiver.receive(data)
     else:
       data = sender.send_part(params)
-      receiver.receive_parts([data])
+      receiver.receive([data])
     assert_trees_bitwise_equal(receiver.params, plan.cast(params))
     rows.append((len(data), sender.last_stats.overflowed_segments))
     assert programs.SLOT_LEVELS.wait(timeout=600)  # the widened levels, for a fixed sequence

@@ -254,8 +254,8 @@ def _send_part(sender, params):
   return [sender.send_part(params)]
 
 
-def _receive_parts(receiver, parts):
-  return receiver.receive_parts(parts)
+def _receive(receiver, parts):
+  return receiver.receive(parts)
 
 
 def _send_stream(sender, params):
@@ -269,7 +269,7 @@ def _receive_stream(receiver, parts):
   return stream.commit()
 
 
-PATHS = {"whole": (_send_whole, _receive_whole), "parts": (_send_part, _receive_parts),
+PATHS = {"whole": (_send_whole, _receive_whole), "parts": (_send_part, _receive),
          "stream": (_send_stream, _receive_stream)}
 
 

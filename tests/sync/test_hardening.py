@@ -60,24 +60,24 @@ def test_a_stream_refuses_a_part_repeating_covered_units_before_decoding_it():
   assert_trees_bitwise_equal(stream.commit(), plan.cast(new))
 
 
-def test_receive_parts_refuses_a_unit_covered_twice_before_decoding():
+def test_receive_refuses_a_unit_covered_twice_before_decoding():
   plan, params, new = _setup()
   sender = jsparse.Sender(plan, params)
   receiver = jsparse.Receiver(plan, plan.cast(params))
   (part,) = [sender.send_part(new)]
   with pytest.raises(jsparse.PayloadError, match="covered twice"):
-    receiver.receive_parts([_repeating(plan, part, 2)])
-  assert_trees_bitwise_equal(receiver.receive_parts([part]), plan.cast(new))
+    receiver.receive([_repeating(plan, part, 2)])
+  assert_trees_bitwise_equal(receiver.receive([part]), plan.cast(new))
 
 
-@pytest.mark.parametrize("via", ["receive", "receive_parts"])
-def test_concurrent_deliveries_of_one_version_apply_it_once(via):
+@pytest.mark.parametrize("sent_as", ["payload", "parts"])
+def test_concurrent_deliveries_of_one_version_apply_it_once(sent_as):
   plan, params, new = _setup(leaves=2, size=4096)
   for trial in range(6):
     sender = jsparse.Sender(plan, params)
     receiver = jsparse.Receiver(plan, plan.cast(params), donate=True)
-    data = sender.send(new) if via == "receive" else [sender.send_part(new)]
-    deliver = getattr(receiver, via)
+    data = sender.send(new) if sent_as == "payload" else [sender.send_part(new)]
+    deliver = receiver.receive
     outcomes, barrier = [], threading.Barrier(2)
 
     def deliver_once():
@@ -99,27 +99,35 @@ def test_concurrent_deliveries_of_one_version_apply_it_once(via):
 
 
 @pytest.mark.parametrize("parts, message", [
-    (b"a part", "list of payload parts"),
-    (None, "list of payload parts"),
-    (7, "list of payload parts"),
+    (None, "must be the bytes of a payload or of a part, a list of a version's parts"),
+    (7, "must be the bytes of a payload or of a part, a list of a version's parts"),
+    ("a str", "must be the bytes of a payload or of a part, a list of a version's parts"),
     (["a str"], "part 0 must be bytes"),
     ([b"ok", None], "part 1 must be bytes"),
 ])
-def test_receive_parts_names_what_it_expects(parts, message):
+def test_receive_names_what_it_expects(parts, message):
   plan, params, _ = _setup(leaves=1, size=8)
   receiver = jsparse.Receiver(plan, plan.cast(params))
   with pytest.raises(jsparse.ArgumentError, match=message):
-    receiver.receive_parts(parts)
+    receiver.receive(parts)
   with pytest.raises(TypeError):  # ArgumentError is a TypeError too
-    receiver.receive_parts(parts)
+    receiver.receive(parts)
+
+
+@pytest.mark.parametrize("data, message", [(b"JSPS", "truncated"), (b"a part", "truncated"),
+                                           ([b"JSPP"], "truncated"), ([], "no parts given")])
+def test_receive_refuses_bytes_that_are_no_payload_or_part(data, message):
+  plan, params, _ = _setup(leaves=1, size=8)
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  with pytest.raises(jsparse.PayloadError, match=message):
+    receiver.receive(data)
+  assert receiver.version == 0
 
 
 @pytest.mark.parametrize("bad", ["a str", None, 7, [b"x"]])
-def test_receive_and_stream_add_name_what_they_expect(bad):
+def test_stream_add_names_what_it_expects(bad):
   plan, params, _ = _setup(leaves=1, size=8)
   receiver = jsparse.Receiver(plan, plan.cast(params))
-  with pytest.raises(jsparse.PayloadError, match="must be bytes"):
-    receiver.receive(bad)
   with pytest.raises(jsparse.ArgumentError, match="bytes"):
     receiver.open_stream().add(bad)
 
@@ -137,7 +145,7 @@ def _public_calls():
       "Receiver plan": lambda: jsparse.Receiver(None, params),
       "diff plan": lambda: jsparse.diff("a plan", params, params),
       "apply plan": lambda: jsparse.apply("a plan", plan.cast(params), None),
-      "apply_payload": lambda: jsparse.Receiver(plan, plan.cast(params)).apply_payload(None),
+      "receive": lambda: jsparse.Receiver(plan, plan.cast(params)).receive(None),
       "Publisher feed": lambda: engine.Publisher(sender, None),
       "Publisher sender": lambda: engine.Publisher("a sender", feed),
       "Subscriber receiver": lambda: engine.Subscriber(None, feed),

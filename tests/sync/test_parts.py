@@ -1,4 +1,4 @@
-"""Payload parts (``Sender.send_part`` / ``Receiver.receive_parts``) in one process: exactness
+"""Payload parts (``Sender.send_part`` / ``Receiver.receive``) in one process: exactness
 across layouts, codings and overflow; refusals of missing, repeated, corrupt and mismatched
 parts; reading only the units a process needs. The multi-process jobs are in
 ``tests/multihost``."""
@@ -55,7 +55,7 @@ def test_parts_are_exact_across_layouts_codings_and_overflow(trainer, rollout, c
     base = {k: strategies.perturb(rng, v, density) for k, v in base.items()}
     part = sender.send_part(place(base, trainer), full=step == 2 and coding == "lists")
     assert parts_wire.read_index(plan, part).header.format == jsparse.Coding(coding).format
-    out = receiver.receive_parts(split(plan, part, 3) if step else [part])
+    out = receiver.receive(split(plan, part, 3) if step else [part])
     assert_trees_bitwise_equal(out, plan.cast(base))
     assert_layout(out, shardings)
     assert receiver.version == sender.version == step + 1
@@ -71,12 +71,16 @@ def test_a_part_is_about_the_size_of_the_whole_payload():
   whole, part = twin.send(place(new, "fsdp8")), sender.send_part(place(new, "fsdp8"))
   units = len(parts_wire.read_index(plan, part).entries)
   assert len(part) <= len(whole) + 80 * units, (len(part), len(whole), units)
+  # One call takes every form of a version: the payload, the part alone, the parts in a list.
+  for data in (whole, part, [part]):
+    receiver = jsparse.Receiver(plan, plan.cast(place(base, "single")))
+    assert_trees_bitwise_equal(receiver.receive(data), plan.cast(new))
 
 
 def _refused(receiver, parts, error=jsparse.PayloadError, match=None):
   before = jax.tree.map(np.asarray, receiver.params)
   with pytest.raises(error, match=match):
-    receiver.receive_parts(parts)
+    receiver.receive(parts)
   assert receiver.version == 0
   assert_trees_bitwise_equal(receiver.params, before)
 
@@ -113,7 +117,7 @@ def test_incomplete_repeated_corrupt_or_mixed_parts_change_nothing():
                                 bucket_size=256)
   foreign = jsparse.Sender(other_plan, place(new, "fsdp8")).send_part(place(later, "fsdp8"))
   _refused(receiver, [foreign], match="another plan")
-  out = receiver.receive_parts(parts)  # the good parts still apply
+  out = receiver.receive(parts)  # the good parts still apply
   assert_trees_bitwise_equal(out, plan.cast(new))
 
 
@@ -122,10 +126,10 @@ def test_parts_of_a_stale_base_are_refused():
   first = sender.send_part(place(base, "fsdp2"))
   second = sender.send_part(place(base, "fsdp2"))
   _refused(receiver, [second], jsparse.VersionError)
-  receiver.receive_parts([first])
+  receiver.receive([first])
   with pytest.raises(jsparse.VersionError):
-    receiver.receive_parts([first])  # replayed
-  receiver.receive_parts([second])
+    receiver.receive([first])  # replayed
+  receiver.receive([second])
   assert receiver.version == 2
 
 

@@ -67,7 +67,7 @@ def test_a_receiving_stream_holds_no_decoded_records_between_parts():
                      params)
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16, capacity=0.3)
   sender, receiver = jsparse.Sender(plan, params), jsparse.Receiver(plan, plan.cast(params))
-  receiver.receive_parts(list(sender.send_stream(new, chunk_bytes=1 << 18)))  # compiles
+  receiver.receive(list(sender.send_stream(new, chunk_bytes=1 << 18)))  # compiles
   new = jax.tree.map(lambda x: jnp.asarray(strategies.perturb(rng, np.asarray(x), 0.2)), new)
   parts = list(sender.send_stream(new, chunk_bytes=1 << 18))
   decoded_bytes = 6 * sender.last_stats.changed

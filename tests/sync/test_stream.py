@@ -60,7 +60,7 @@ def test_a_streamed_version_is_also_received_whole():
   params, plan, sender, receiver = _setup(rng)
   params = _perturb(rng, params, 0.03)
   parts = list(sender.send_stream(params, chunk_bytes=CHUNK))
-  assert_trees_bitwise_equal(receiver.receive_parts(parts), plan.cast(params))
+  assert_trees_bitwise_equal(receiver.receive(parts), plan.cast(params))
 
 
 @pytest.mark.parametrize("trainer, rollout, coding", [(*PAIRS[4], "ranked"),

@@ -69,7 +69,7 @@ def test_leaves_the_plan_holds_whole_come_as_the_step_lays_them_out(axis_type, c
   for name in ("bias", "scale"):  # the snapshot stays as planned: parts and streams hold
     assert sender.snapshot[name].sharding.is_equivalent_to(NamedSharding(mesh, P()), 1)
   parts = list(sender.send_stream(step(params, 9), chunk_bytes=2048))
-  assert_trees_bitwise_equal(receiver.receive_parts(parts), sender.snapshot)
+  assert_trees_bitwise_equal(receiver.receive(parts), sender.snapshot)
 
 
 def test_the_payload_does_not_depend_on_how_the_trainer_lays_out_whole_leaves():

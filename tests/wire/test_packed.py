@@ -384,9 +384,9 @@ def test_forged_packed_parts_are_refused_before_anything_is_applied(split):
     for donate in (False, True):
       receiver = jsparse.Receiver(plan, plan.cast(on_mesh(base)), donate=donate)
       with pytest.raises(jsparse.PayloadError, match=match):
-        receiver.receive_parts([data])
+        receiver.receive([data])
       assert receiver.version == 0
       assert_trees_bitwise_equal(jax.device_get(receiver.params),
                                  jax.device_get(plan.cast(on_mesh(base))))
   receiver = jsparse.Receiver(plan, plan.cast(on_mesh(base)))
-  assert_trees_bitwise_equal(receiver.receive_parts([part]), plan.cast(on_mesh(new)))
+  assert_trees_bitwise_equal(receiver.receive([part]), plan.cast(on_mesh(new)))

@@ -365,7 +365,7 @@ class Subscriber:
     before = self.receiver.digest
     try:
       parts_lib.agree(lost, jax.tree.leaves(self.receiver.params))  # all processes, or none
-      self.receiver.receive_parts(parts)
+      self.receiver.receive(parts)
     except _FAILURES as e:
       if self.receiver.digest != before:  # a donating receiver kept what failed its check
         self.receiver.detach()  # its bits are no version: it serves none until an anchor

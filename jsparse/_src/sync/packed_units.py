@@ -18,7 +18,7 @@ applied), and their positions mapped back to the segment's on the device.
 >>> sender = jsparse.Sender(plan, params, coding="packed")
 >>> receiver = jsparse.Receiver(plan, plan.cast(params))
 >>> part = sender.send_part({'w': params['w'].at[3].set(1.0)})
->>> float(receiver.receive_parts([part])['w'][3]), receiver.last_read.units_read
+>>> float(receiver.receive([part])['w'][3]), receiver.last_read.units_read
 (1.0, 1)
 """
 

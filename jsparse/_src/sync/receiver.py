@@ -29,7 +29,8 @@ from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.placement import commit_leaves, layouts_of, owned_leaves
 from jsparse._src.core.layout import mesh_neutral
 from jsparse._src.core.plan import Plan
-from jsparse._src.errors import IntegrityError, JsparseError, PayloadError, VersionError
+from jsparse._src.errors import (ArgumentError, IntegrityError, JsparseError, PayloadError,
+                                 VersionError)
 from jsparse._src.options import typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
@@ -38,6 +39,7 @@ from jsparse._src.sync.state import (SyncState, check_digest, check_state, check
                                      digest_bytes, digest_words, state_run,
                                      versioned_digest)
 from jsparse._src.wire import framing, packed
+from jsparse._src.wire import parts as parts_wire
 from jsparse._src.wire.payload import (Format, Kind, Mode, Payload, SegmentPayload,
                                        ranked_segments)
 
@@ -89,7 +91,7 @@ class Receiver:
     self._layouts = layouts_of(plan, self._flat)
     self._donate = donate
     self._bits = digest_bytes(programs.leaves_digest(plan, self._flat, self._layouts))
-    self.last_read: parts_lib.ReadStats | None = None  # of the last receive_parts
+    self.last_read: parts_lib.ReadStats | None = None  # of the last version received as parts
     self.run_id: bytes | None = None  # the run (feed) its version belongs to, once known
     self._lock = threading.Lock()  # one version applied at a time
 
@@ -144,16 +146,48 @@ class Receiver:
     receiver.run_id = state_run(state)
     return receiver
 
-  def receive(self, data: bytes) -> PyTree:
-    """Applies a payload and returns the new params.
+  def receive(self, data: "bytes | Sequence | Payload") -> PyTree:
+    """Applies one version and returns the new params.
+
+    ``data`` is what the sender sent of the version, in any of its forms: the bytes of a
+    payload (:meth:`Sender.send`) or of a part (:meth:`Sender.send_part` of a one-process
+    trainer), a list or tuple of every part of the version (one per trainer process), or a
+    decoded :class:`~jsparse.Payload` (:meth:`Sender.payload`). A part may be ``bytes`` or
+    anything with ``len`` and slicing (e.g. an ``mmap`` of a file): of each part this reads
+    its index, then only the units that overlap the blocks this process holds
+    (:attr:`last_read` says how many). Parts are applied only when every part is present
+    once, intact and of the same version, and, in a rollout job of several processes (each
+    calling this with the same parts), only when every process accepted its reads. To apply
+    parts as they arrive, use :meth:`open_stream`.
 
     Raises:
-      PayloadError: the bytes are corrupt, truncated, or for another plan.
+      PayloadError: the bytes are corrupt, truncated, or for another plan; a part is missing,
+        repeated, or of another version.
       VersionError: a delta for another base version (missed, replayed or reordered).
       IntegrityError: the receiver's state is not the one the delta was computed against, or
         the result does not match the sender's digest (see the class docstring).
       Except for a donating receiver's failed end-to-end check, nothing was changed.
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)
+    >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(8)})
+    >>> receiver = jsparse.Receiver(plan, {'w': jnp.zeros(8, jnp.bfloat16)})
+    >>> _ = receiver.receive([sender.send_part({'w': jnp.ones(8)})])  # a version's parts
+    >>> _ = receiver.receive(sender.send({'w': jnp.full(8, 2.0)}))  # a whole payload
+    >>> receiver.version, float(receiver.params['w'][0])
+    (2, 2.0)
     """
+    if isinstance(data, Payload):
+      return self._apply_records(data, data.segments)
+    if isinstance(data, (list, tuple)):
+      return self._apply_parts(data)
+    if not hasattr(data, "__getitem__") or not hasattr(data, "__len__") or \
+        isinstance(data, str):
+      raise ArgumentError("jsparse: data must be the bytes of a payload or of a part, a list "
+                          f"of a version's parts, or a decoded Payload; got "
+                          f"{type(data).__name__}")
+    if bytes(data[:len(parts_wire.MAGIC)]) == parts_wire.MAGIC:  # a version of one part
+      return self._apply_parts([data])
     header, reader = framing.read_header(self.plan, data)
     if header.format == Format.PACKED:
       return self._apply_packed(header, packed.decode_body(self.plan, header.kind, reader))
@@ -175,11 +209,6 @@ class Receiver:
                                              donate=self._donate, base=self._base(header))
       self._verify_and_commit(header, flat, digest_bytes(digest))
       return self.params
-
-  def apply_payload(self, payload: Payload) -> PyTree:
-    """:meth:`receive` for an already decoded (and validated) payload."""
-    typed_argument("payload", payload, Payload, "a decoded payload (from Sender.payload)")
-    return self._apply_records(payload, payload.segments)
 
   @mesh_neutral
   def _apply_records(self, header: Payload, records: Iterable[SegmentPayload]) -> PyTree:
@@ -203,32 +232,6 @@ class Receiver:
                                            donate=self._donate, base=self._base(header))
     self._verify_and_commit(header, flat, digest_bytes(digest))
     return self.params
-
-  def receive_parts(self, parts: Sequence) -> PyTree:
-    """Applies one version sent as parts (:meth:`Sender.send_part`, one per trainer process)
-    and returns the new params.
-
-    Reads every part's index, then only the units that overlap the blocks this process holds:
-    pass the parts as ``bytes`` or as anything with ``len`` and slicing (e.g. an ``mmap`` of a
-    file) to read only those bytes (:attr:`last_read` says how many). All parts of the version
-    must be given; the version is applied only when every part is present once, intact and of
-    the same version, and, in a rollout job of several processes (each calling this with the
-    same parts), only when every process accepted its reads.
-
-    Raises:
-      PayloadError: a corrupt, truncated, foreign, missing, repeated or mismatched part.
-      VersionError, IntegrityError: as :meth:`receive`.
-      Nothing is applied, except as :meth:`receive` says for a donating receiver.
-
-    >>> import jax.numpy as jnp, jsparse
-    >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)
-    >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(8)})
-    >>> receiver = jsparse.Receiver(plan, {'w': jnp.zeros(8, jnp.bfloat16)})
-    >>> _ = receiver.receive_parts([sender.send_part({'w': jnp.ones(8)})])
-    >>> receiver.version, receiver.last_read.units_read
-    (1, 1)
-    """
-    return self._apply_parts(parts)
 
   def open_stream(self) -> "ReceiveStream":
     """Starts receiving one version part by part, as the parts arrive (e.g. from
@@ -350,7 +353,7 @@ class ReceiveStream:
   """One version arriving part by part at a :class:`Receiver` (from
   :meth:`Receiver.open_stream`). Parts may come in any order; each is checked (checksums,
   plan, version) and decoded when added, and the version is applied at :meth:`commit`, all
-  or nothing, as :meth:`Receiver.receive_parts` applies it.
+  or nothing, as :meth:`Receiver.receive` applies it.
 
   >>> import jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)

@@ -321,7 +321,7 @@ class Sender:
   def payload(self, params: PyTree, *, full: bool = False,
               version: int | None = None) -> Payload:
     """Like :meth:`send`, but returns the decoded payload (what
-    :meth:`Receiver.apply_payload` applies), not its bytes."""
+    :meth:`Receiver.receive` applies), not its bytes."""
     with self._anchor_next_if_moved():
       payload = self._payload(params, full, version)
       payload = dataclasses.replace(payload, segments=tuple(payload.segments))
@@ -357,7 +357,7 @@ class Sender:
     """This process's part of the payload to the next version: in a multi-controller trainer
     (one process per host, params spanning them) every process calls it with the same
     arguments, and the parts of all processes together bring a rollout to the next version
-    (:meth:`Receiver.receive_parts`). Each process codes only the blocks it holds; a leaf held
+    (:meth:`Receiver.receive`). Each process codes only the blocks it holds; a leaf held
     whole by several processes is sent by one of them. In a single process the one part is
     the whole update. Arguments and errors as :meth:`send`.
 
@@ -366,7 +366,7 @@ class Sender:
     >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(100)})
     >>> part = sender.send_part({'w': jnp.zeros(100).at[5].set(1.0)})
     >>> receiver = jsparse.Receiver(plan, {'w': jnp.zeros(100, jnp.bfloat16)})
-    >>> float(receiver.receive_parts([part])['w'][5])
+    >>> float(receiver.receive([part])['w'][5])
     1.0
     """
     def mine(changes: programs.DeviceChanges, snapshot: list, full: bool) -> list:
@@ -386,7 +386,7 @@ class Sender:
     coded (on ``JSPARSE_THREADS`` threads) and the device still diffs. Returns a
     :class:`PartStream` (an iterator of the part bytes, with their numbers). A receiver checks and
     decodes each part as it arrives (:meth:`Receiver.open_stream`) and applies the version
-    when all have arrived; :meth:`Receiver.receive_parts` takes them all at once. Peak host
+    when all have arrived; :meth:`Receiver.receive` takes them all at once. Peak host
     memory is a few parts, not the model, even for an anchor.
 
     The diff runs, and the sender moves to the new version, when this is called; until every
@@ -440,7 +440,7 @@ class Sender:
     >>> stream = sender.anchor_stream(chunk_bytes=400_000)
     >>> receiver = jsparse.Receiver(plan, {k: v.astype(jnp.bfloat16) + 1
     ...                                    for k, v in params.items()})
-    >>> _ = receiver.receive_parts(list(stream))
+    >>> _ = receiver.receive(list(stream))
     >>> stream.parts, stream.anchor, receiver.version, float(receiver.params['w0'][0])
     (2, True, 3, 0.0)
     """
@@ -503,7 +503,7 @@ class Sender:
     >>> plan = jsparse.make_plan({'w': jnp.zeros(4)}, rollout_dtype=jnp.bfloat16)
     >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(4)}, version=5)
     >>> receiver = jsparse.Receiver(plan, {'w': jnp.ones(4, jnp.bfloat16)}, version=2)
-    >>> _ = receiver.receive_parts([sender.anchor_part()])
+    >>> _ = receiver.receive([sender.anchor_part()])
     >>> receiver.version, float(receiver.params['w'][0])
     (5, 0.0)
     """
