@@ -95,7 +95,7 @@ def density_sweep(plan: jsparse.Plan, runs: dict[str, list],
             "codings": {}}
     for coding in codings:
       sender = jsparse.Sender(plan, states[0], coding=coding)
-      dense = len(sender.send(states[0], full=True))
+      dense = len(sender.send(states[0], anchor=True))
       rows["codings"][coding.value] = {"dense": dense, **{
           setting: synced_bytes(plan, states, coding, **options)
           for setting, options in SETTINGS.items()}}

@@ -46,7 +46,7 @@ def _one(plan, states: Sequence, rate_gbit: float, dense: bool) -> dict:
     times, sizes = [], []
     for state in states[1:]:
       start = time.perf_counter()
-      publisher.publish(state, full=dense)
+      publisher.publish(state, anchor=dense)
       before = subscriber.stats.bytes_read
       subscriber.poll()
       jax.block_until_ready(jax.tree.leaves(subscriber.params))
@@ -80,7 +80,7 @@ def _streamed(sender, receiver, state, bucket: TokenBucket, full: bool, chunk_by
 
   def trainer():
     try:
-      for part in sender.send_stream(state, full=full, chunk_bytes=chunk_bytes):
+      for part in sender.send_stream(state, anchor=full, chunk_bytes=chunk_bytes):
         bucket.transmit(len(part))
         arrived.put(part)
     finally:
@@ -96,7 +96,7 @@ def _streamed(sender, receiver, state, bucket: TokenBucket, full: bool, chunk_by
 
 
 def _one_shot(sender, receiver, state, bucket: TokenBucket, full: bool):
-  data = sender.send_part(state, full=full)
+  data = sender.send_part(state, anchor=full)
   bucket.transmit(len(data))
   return receiver.receive([data])
 

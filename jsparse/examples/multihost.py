@@ -182,7 +182,7 @@ def trainer(args: argparse.Namespace) -> dict:
       params, opt_state = train_step(params, opt_state, np.asarray(next(batches)))
     with _host_peak() as host:  # this process's part; version 1 also as an anchor
       bytes_before = publisher.bytes_put
-      publisher.publish(params, anchor=version == 1)  # sender.send_stream(params) inside
+      publisher.publish(params, with_anchor=version == 1)  # sender.send_stream(params) inside
     # --- end of the jsparse calls; the rest is reporting and test fixtures ---
     stats = sender.last_stats
     if chain is not None:  # every process saves its part of each step

@@ -131,13 +131,13 @@ def _remove_run_marker(feed, tmp_path):
 def test_a_new_run_on_old_entries_serves_none_of_them(make_feed, tmp_path):
   old = Publisher(jsparse.Sender(PLAN, STATES[0]), make_feed(), anchor_every=None)
   for step in (1, 2, 3):
-    old.publish(STATES[step], anchor=step == 3)
+    old.publish(STATES[step], with_anchor=step == 3)
   _remove_run_marker(make_feed(), tmp_path)
   new_states = _states(2, seed=6)
   new = Publisher(jsparse.Sender(PLAN, new_states[0]), make_feed(), anchor_every=None)
   fresh = _rollout(make_feed(), start_with_anchor=True)
   assert fresh.poll() == [] and fresh.version is None  # not the old run's anchor 3
-  new.publish(new_states[1], full=True)
+  new.publish(new_states[1], anchor=True)
   assert fresh.poll() == [1]
   assert_trees_bitwise_equal(fresh.params, PLAN.cast(new_states[1]))
 
@@ -146,7 +146,7 @@ def test_another_runs_version_copied_into_the_feed_is_ignored(tmp_path):
   ours, theirs = DirectoryFeed(tmp_path / "ours"), DirectoryFeed(tmp_path / "theirs")
   publisher = Publisher(jsparse.Sender(PLAN, STATES[0]), ours, anchor_every=None)
   publisher.publish(STATES[1])
-  (anchor,) = Publisher(jsparse.Sender(PLAN, STATES[0]), theirs).publish(STATES[8], full=True)
+  (anchor,) = Publisher(jsparse.Sender(PLAN, STATES[0]), theirs).publish(STATES[8], anchor=True)
   rollout = _rollout(ours)
   assert rollout.poll() == [1]
   shutil.copytree(theirs._dir(anchor), ours._dir(anchor))  # under its own name
@@ -219,7 +219,7 @@ def check_signed_versions(make_feed, trainer_key, rollout_key):
   sender = jsparse.Sender(PLAN, STATES[0])
   for version, key in ((5, None), (6, HmacKey(b"x" * 32))):
     forged_entry = Entry(version, "anchor", 0, 1, publisher.generation, publisher.run)
-    data = next(iter(sender.send_stream(STATES[9], full=True, version=version,
+    data = next(iter(sender.send_stream(STATES[9], anchor=True, version=version,
                                         chunk_bytes=1 << 30)))
     feed.put(forged_entry, 0, data)
     feed.commit(forged_entry, commit_record(forged_entry, [part_meta(data)], key))

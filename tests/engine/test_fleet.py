@@ -91,7 +91,7 @@ def test_refusals_and_stalls_are_reported(feed):
   rollout.poll()
   (row,) = publisher.fleet()
   assert row.stalled and "no anchor newer" in row.stalled
-  publisher.publish(STATES[3], anchor=True)
+  publisher.publish(STATES[3], with_anchor=True)
   rollout.poll()
   (row,) = publisher.fleet()
   assert (row.version, row.refused, row.stalled, row.digest_ok) == (3, None, None, True)

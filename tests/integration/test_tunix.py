@@ -272,7 +272,7 @@ def test_a_keyed_rollout_job_applies_only_the_trainers_signed_versions(tmp_path)
   follower = jtunix.RolloutSubscriber(
       _LinearRollout(), plan, feed, key=engine.Ed25519Key(public_key=trainer_key.public_bytes()))
   forger = engine.Publisher(jsparse.Sender(plan, trainer), engine.DirectoryFeed(tmp_path / "x"))
-  (forged,) = forger.publish(jax.tree.map(lambda x: x + 5, trainer), full=True)
+  (forged,) = forger.publish(jax.tree.map(lambda x: x + 5, trainer), anchor=True)
   publisher.publish(jax.tree.map(lambda x: x + 1, trainer))
   mine = engine.Entry(forged.version + 1, "anchor", 0, forged.parts, publisher.generation,
                       publisher.run)

@@ -556,7 +556,7 @@ def test_user_quantizers_differing_by_a_captured_constant_are_other_plans():
   tree = {"w": masters(9)["w"]}
   plan, other = (jsparse.make_plan(tree, quantize=_absmax(b)) for b in (127, 7))
   assert plan.fingerprint != other.fingerprint
-  anchor = jsparse.Sender(plan, tree).send(rl_step(tree, 0), full=True)
+  anchor = jsparse.Sender(plan, tree).send(rl_step(tree, 0), anchor=True)
   receiver = jsparse.Receiver(other, other.cast(tree))
   before = jax.tree.map(np.asarray, receiver.params)
   with pytest.raises(jsparse.PayloadError, match="another plan"):

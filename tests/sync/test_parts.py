@@ -53,7 +53,7 @@ def test_parts_are_exact_across_layouts_codings_and_overflow(trainer, rollout, c
   rng = np.random.default_rng(2)
   for step, density in enumerate([0.02, 0.6, 0.01]):  # 0.6 overflows: dense units
     base = {k: strategies.perturb(rng, v, density) for k, v in base.items()}
-    part = sender.send_part(place(base, trainer), full=step == 2 and coding == "lists")
+    part = sender.send_part(place(base, trainer), anchor=step == 2 and coding == "lists")
     assert parts_wire.read_index(plan, part).header.format == jsparse.Coding(coding).format
     out = receiver.receive(split(plan, part, 3) if step else [part])
     assert_trees_bitwise_equal(out, plan.cast(base))

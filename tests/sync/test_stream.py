@@ -43,7 +43,7 @@ def test_stream_versions_are_exact_and_parts_are_bounded(coding):
                                           (0.0, False)]):  # sparse, overflow, anchor, nothing
     params = _perturb(rng, params, density)
     stream = receiver.open_stream()
-    parts = list(sender.send_stream(params, full=full, chunk_bytes=CHUNK))
+    parts = list(sender.send_stream(params, anchor=full, chunk_bytes=CHUNK))
     for part in reversed(parts):  # any arrival order
       stream.add(part)
     assert_trees_bitwise_equal(stream.commit(), plan.cast(params))

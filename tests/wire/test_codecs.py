@@ -32,7 +32,7 @@ def _samples():
     new = strategies.nudge(rng, tree, 0.03)
     payloads.append(sender.send(new))
     payloads.append(sender.send(dict(new, w=new["w"] + 1.0)))  # w overflows: dense
-    payloads.append(sender.send(new, full=True))
+    payloads.append(sender.send(new, anchor=True))
   return plan, tree, payloads
 
 
@@ -119,7 +119,7 @@ def test_compact_format_is_near_one_byte_per_change_on_an_rl_update():
     sizes = {f: len(s.send(params)) for f, s in senders.items()}
     changed = senders[2].last_stats.changed
   for f in (1, 2):
-    receivers[f].receive(senders[f].send(params, full=True))
+    receivers[f].receive(senders[f].send(params, anchor=True))
     assert_trees_bitwise_equal(receivers[f].params, plan.cast(params))
   per_change = sizes[2] / changed
   print(f"\ncompact: {per_change:.2f} B/change at density {changed / plan.num_elements:.2%}; "

@@ -81,7 +81,7 @@ def _payloads():
     new = _update(np.random.default_rng(1), tree, 0.03)
     out[f"{coding}/delta"] = sender.send(new)
     out[f"{coding}/overflow"] = sender.send(dict(new, w=new["w"] + 1.0))
-    out[f"{coding}/anchor"] = sender.send(new, full=True)
+    out[f"{coding}/anchor"] = sender.send(new, anchor=True)
   mesh = jax.make_mesh((8,), ("fsdp",))
   w = np.random.default_rng(2).normal(size=(64, 128)).astype(np.float32)
   trainer = NamedSharding(mesh, P("fsdp", None))

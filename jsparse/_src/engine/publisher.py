@@ -97,9 +97,9 @@ class Publisher:
   >>> plan = jsparse.make_plan({'w': jnp.zeros(8)})
   >>> publisher = Publisher(jsparse.Sender(plan, {'w': jnp.zeros(8)}),
   ...                       engine.DirectoryFeed(tempfile.mkdtemp()), anchor_every=None)
-  >>> [(e.version, e.kind) for e in publisher.publish({'w': jnp.ones(8)}, anchor=True)]
+  >>> [(e.version, e.kind) for e in publisher.publish({'w': jnp.ones(8)}, with_anchor=True)]
   [(1, 'delta'), (1, 'anchor')]
-  >>> [(e.version, e.kind) for e in publisher.publish({'w': jnp.ones(8)}, full=True)]
+  >>> [(e.version, e.kind) for e in publisher.publish({'w': jnp.ones(8)}, anchor=True)]
   [(2, 'anchor')]
   """
 
@@ -172,15 +172,16 @@ class Publisher:
         error = e
     raise_if_any_failed(error)
 
-  def publish(self, params: PyTree, *, anchor: bool = False, full: bool = False
+  def publish(self, params: PyTree, *, anchor: bool = False, with_anchor: bool = False
               ) -> list[Entry]:
     """Publishes ``params`` as the next version; returns the entries written (this process
     wrote its parts of each).
 
     Args:
       params: the trainer's new params.
-      anchor: also publish an anchor of this version next to its delta, whatever is due.
-      full: publish this version as an anchor only (e.g. when the rollouts hold other bits).
+      anchor: publish this version as an anchor only (e.g. when the rollouts hold other
+        bits), as :meth:`~jsparse.Sender.send` does.
+      with_anchor: also publish an anchor of this version next to its delta, whatever is due.
 
     Raises:
       whatever the sender or the feed raise while the version's parts (or its anchor's) are
@@ -196,17 +197,17 @@ class Publisher:
     if self._resync:
       version = max(agreed_int(self._latest() if jax.process_index() == 0 else 0),
                     self.sender.version) + 1
-      stream = self.sender.send_stream(params, full=True, version=version,
+      stream = self.sender.send_stream(params, anchor=True, version=version,
                                        chunk_bytes=self.chunk_bytes)
     else:
-      stream = self.sender.send_stream(params, full=full, chunk_bytes=self.chunk_bytes)
+      stream = self.sender.send_stream(params, anchor=anchor, chunk_bytes=self.chunk_bytes)
     written = [self._put_stream(stream)]
     self._resync = False
     self._since_anchor = 0 if stream.anchor else self._since_anchor + 1
     requested = agreed_flag(jax.process_index() == 0 and bool(_housekeeping(
         "taking an anchor request", self.feed.take_anchor_request)))
     self._anchor_owed = self._anchor_owed or requested
-    if not stream.anchor and (anchor or self._anchor_owed or (
+    if not stream.anchor and (with_anchor or self._anchor_owed or (
         self.anchor_every and self._since_anchor >= self.anchor_every)):
       written.append(self._put_stream(self.sender.anchor_stream(chunk_bytes=self.chunk_bytes)))
       self._since_anchor = 0

@@ -46,7 +46,7 @@ from jsparse._src.wire.payload import (Format, Kind, Mode, Payload, SegmentPaylo
 
 # What a receiver that missed versions, or holds params of no version of the sender's, needs.
 NEEDS_ANCHOR = ("this receiver needs an anchor: a Subscriber asks for one by itself; with a bare "
-                "Receiver, have the trainer send one (sender.send(params, full=True))")
+                "Receiver, have the trainer send one (sender.send(params, anchor=True))")
 
 
 class Receiver:

@@ -241,12 +241,13 @@ class Sender:
     return jax.tree.unflatten(self.plan.treedef, self._snapshot)
 
   @mesh_neutral
-  def send(self, params: PyTree, *, full: bool = False, version: int | None = None) -> bytes:
+  def send(self, params: PyTree, *, anchor: bool = False, version: int | None = None) -> bytes:
     """Returns the bytes that bring a receiver from the current version to the next.
 
     Args:
       params: the new params (trainer or rollout dtypes, the plan's structure and shapes).
-      full: send a dense anchor that a receiver accepts on any base version.
+      anchor: send this version as an anchor (every segment dense), which a receiver
+        accepts on any base version.
       version: the version these params are (e.g. the trainer step); default current + 1.
 
     Raises:
@@ -255,7 +256,7 @@ class Sender:
     """
     self._check_single_process()
     with self._anchor_next_if_moved():
-      head, (coding, body) = self._step(params, full, version, self._whole_body, choose=True)
+      head, (coding, body) = self._step(params, anchor, version, self._whole_body, choose=True)
       data = framing.frame(self.plan, Payload(head.kind, head.base_version, head.version,
                                               head.base_digest, head.new_digest, (),
                                               coding.format), body)
@@ -277,22 +278,22 @@ class Sender:
         self._auto.observe(coding, update, payload_bytes)
       self._last_update = update
 
-  def _whole_body(self, changes: programs.DeviceChanges, snapshot: list, full: bool
+  def _whole_body(self, changes: programs.DeviceChanges, snapshot: list, anchor: bool
                   ) -> tuple[Coding, bytes | list]:
     """The coding of this version and its payload body (bytes, or buffers to join)."""
     coding = self._step_coding
     if coding.format == Format.PACKED:
-      return coding, packed_body(self.plan, changes, snapshot, full, coding.ranked)
+      return coding, packed_body(self.plan, changes, snapshot, anchor, coding.ranked)
     return coding, framing.encode_records(self.plan, coding.format,
-                                          self._records(coding, changes, snapshot, full))
+                                          self._records(coding, changes, snapshot, anchor))
 
-  def _coding_for(self, full: bool, flat: list) -> Coding:
+  def _coding_for(self, anchor: bool, flat: list) -> Coding:
     """The sender's coding, or for ``"auto"`` its policy's choice (``sync/auto.py``), which
     measures every candidate on this update when it must. An anchor, and any version of a job
     of several processes (no throwaway sync of the whole tree there), is ``ranked``."""
     if self.coding is not Coding.AUTO:
       return self.coding
-    if full or not all(x.is_fully_addressable for x in self._snapshot):
+    if anchor or not all(x.is_fully_addressable for x in self._snapshot):
       self._auto.rates_used = None
       return auto.FEWEST_BYTES
     self._auto.adopt(auto.measured(self.plan), self._last_update)
@@ -301,7 +302,7 @@ class Sender:
         self.plan, self.snapshot, new, timed_sync))
 
   def _records(self, coding: Coding, changes: programs.DeviceChanges, snapshot: list,
-               full: bool):
+               anchor: bool):
     """The records of a whole payload in ``coding`` (a generator: see
     :func:`payload.segment_records`)."""
     if not coding.ranked:
@@ -309,7 +310,7 @@ class Sender:
     return segment_records(self.plan, coding, local_value(changes.delta.counts),
                            local_value(changes.delta.overflow), _HostChanges(changes),
                            dense=lambda s: segment_host_bits(self.plan, s, snapshot),
-                           full=full)
+                           full=anchor)
 
   def _check_single_process(self) -> None:
     """Refuses a whole payload of params that span several processes."""
@@ -318,12 +319,12 @@ class Sender:
                         "process calls send_part() and ships its own part")
 
   @mesh_neutral
-  def payload(self, params: PyTree, *, full: bool = False,
+  def payload(self, params: PyTree, *, anchor: bool = False,
               version: int | None = None) -> Payload:
     """Like :meth:`send`, but returns the decoded payload (what
     :meth:`Receiver.receive` applies), not its bytes."""
     with self._anchor_next_if_moved():
-      payload = self._payload(params, full, version)
+      payload = self._payload(params, anchor, version)
       payload = dataclasses.replace(payload, segments=tuple(payload.segments))
     self._finish(None, self.coding.records)
     return payload
@@ -341,19 +342,19 @@ class Sender:
         self._needs_anchor = True
       raise
 
-  def _payload(self, params: PyTree, full: bool, version: int | None) -> Payload:
+  def _payload(self, params: PyTree, anchor: bool, version: int | None) -> Payload:
     """The payload to the next version, its records a generator that moves each segment's
     changes to the host as its record is made (see :func:`payload.segment_records`)."""
     self._check_single_process()
 
-    def whole(changes: programs.DeviceChanges, snapshot: list, full: bool):
-      return self._records(self.coding.records, changes, snapshot, full)
+    def whole(changes: programs.DeviceChanges, snapshot: list, anchor: bool):
+      return self._records(self.coding.records, changes, snapshot, anchor)
 
-    head, segments = self._step(params, full, version, whole)
+    head, segments = self._step(params, anchor, version, whole)
     return Payload(head.kind, head.base_version, head.version, head.base_digest,
                    head.new_digest, segments, self.coding.records.format)
 
-  def send_part(self, params: PyTree, *, full: bool = False, version: int | None = None) -> bytes:
+  def send_part(self, params: PyTree, *, anchor: bool = False, version: int | None = None) -> bytes:
     """This process's part of the payload to the next version: in a multi-controller trainer
     (one process per host, params spanning them) every process calls it with the same
     arguments, and the parts of all processes together bring a rollout to the next version
@@ -369,17 +370,17 @@ class Sender:
     >>> float(receiver.receive([part])['w'][5])
     1.0
     """
-    def mine(changes: programs.DeviceChanges, snapshot: list, full: bool) -> list:
+    def mine(changes: programs.DeviceChanges, snapshot: list, anchor: bool) -> list:
       return part_records(self.plan, self._step_coding.parts, self._units, changes, snapshot,
-                          full)
+                          anchor)
 
     with self._anchor_next_if_moved():
-      head, records = self._step(params, full, version, mine, choose=True)
+      head, records = self._step(params, anchor, version, mine, choose=True)
       data = self._encode_part(head, records)
     self._finish(len(data), self._step_coding.parts)
     return data
 
-  def send_stream(self, params: PyTree, *, full: bool = False, version: int | None = None,
+  def send_stream(self, params: PyTree, *, anchor: bool = False, version: int | None = None,
                   chunk_bytes: int = 64 << 20) -> PartStream:
     """The next version as a stream of parts, each covering at most ``chunk_bytes`` of rollout
     data (a larger leaf is a part alone): ship each part as it comes, while the next ones are
@@ -401,12 +402,12 @@ class Sender:
     >>> params = {f'w{i}': jnp.zeros(100_000) for i in range(4)}
     >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
     >>> sender = jsparse.Sender(plan, params)
-    >>> parts = list(sender.send_stream(params, full=True, chunk_bytes=400_000))
+    >>> parts = list(sender.send_stream(params, anchor=True, chunk_bytes=400_000))
     >>> len(parts), max(len(p) for p in parts) < 420_000, sender.last_stats.payload_bytes
     (2, True, 800376)
     """
     pieces, per_process = self._stream_pieces(chunk_bytes)
-    head, (changes, snapshot, full) = self._step(params, full, version,
+    head, (changes, snapshot, anchor) = self._step(params, anchor, version,
                                                  lambda *stage: stage, choose=True)
     self._needs_anchor = True  # until the last part is out
     coding = self._step_coding.parts
@@ -417,8 +418,8 @@ class Sender:
 
     return self._part_stream(
         head, pieces, per_process,
-        lambda piece: part_records(self.plan, coding, piece, changes, snapshot, full),
-        done, None if full or coding.format == Format.PACKED
+        lambda piece: part_records(self.plan, coding, piece, changes, snapshot, anchor),
+        done, None if anchor or coding.format == Format.PACKED
         else functools.partial(start_host_copies, changes))  # packed: the device packs
 
   def anchor_stream(self, *, chunk_bytes: int = 64 << 20) -> PartStream:
@@ -516,10 +517,10 @@ class Sender:
     return self._encode_part(head, dense_records(self.plan, self._units, self._snapshot))
 
   @mesh_neutral
-  def _step(self, params: PyTree, full: bool, version: int | None, host_stage,
+  def _step(self, params: PyTree, anchor: bool, version: int | None, host_stage,
             choose: bool = False) -> tuple:
     """Diffs ``params`` against the snapshot, codes the changes with ``host_stage(changes,
-    next snapshot, full)`` and moves to the new version: (the header, the records).
+    next snapshot, anchor)`` and moves to the new version: (the header, the records).
     ``choose``: the step's coding (``_step_coding``) is chosen for it (``"auto"``), else the
     sender's."""
     version = check_version(self.version + 1 if version is None else version)
@@ -536,35 +537,35 @@ class Sender:
     # A multi-process trainer sends an anchor if any process must (its encode failed): all
     # parts of a version are of one kind.
     needs_anchor = bool(processes_with(self._needs_anchor, self._snapshot))
-    full = full or needs_anchor or (self.anchor_every is not None
+    anchor = anchor or needs_anchor or (self.anchor_every is not None
                                     and version % self.anchor_every == 0)
     flat = self._placed_like_snapshot(commit_leaves(self.plan.flatten(params, what="params")))
-    self._step_coding = self._coding_for(full, flat) if choose else self.coding
+    self._step_coding = self._coding_for(anchor, flat) if choose else self.coding
     snapshot_ids = {id(x) for x in self._snapshot}  # the snapshot is donated below
     flat = [jnp.copy(x) if id(x) in snapshot_ids else x for x in flat]
     old = self._snapshot
     try:
       changes, self._snapshot, digest = programs.sender_changes(
           self.plan, self._step_coding, old, flat, base_digest=digest_words(base_bits),
-          ranks=not full, widths=self._widths)
+          ranks=not anchor, widths=self._widths)
     except BaseException:
       if any(x.is_deleted() for x in old):  # donated: only an anchor from new params is exact
         self._snapshot_lost = self._needs_anchor = True
       raise
     new_bits = digest_bytes(digest)
-    head = PartHeader(self._step_coding.parts.format, Kind.ANCHOR if full else Kind.DELTA,
-                      self._step_coding.ranked and not full, self.version, version,
+    head = PartHeader(self._step_coding.parts.format, Kind.ANCHOR if anchor else Kind.DELTA,
+                      self._step_coding.ranked and not anchor, self.version, version,
                       self.digest, versioned_digest(new_bits, version), 0, 1)
     self.version, self._bits = version, new_bits  # the snapshot has moved: so do they
     counts = local_value(changes.delta.counts).astype(np.int64)
-    overflowed = [] if full else np.flatnonzero(local_value(changes.delta.overflow)).tolist()
+    overflowed = [] if anchor else np.flatnonzero(local_value(changes.delta.overflow)).tolist()
     self.last_stats = SendStats(version, int(counts.sum()), self.plan.num_elements,
-                                self.plan.rollout_bytes, len(overflowed), full,
+                                self.plan.rollout_bytes, len(overflowed), anchor,
                                 overflowed_changes=int(counts[overflowed].sum()))
     if overflowed:
       self._overflow_log.report(self.plan, version, counts, overflowed)
     try:
-      records = host_stage(changes, self._snapshot, full)
+      records = host_stage(changes, self._snapshot, anchor)
     except BaseException:
       self._needs_anchor = True  # the receivers never get this version
       raise

@@ -46,7 +46,7 @@ class InProcessLink:
     self._anchor = anchor_first
 
   def sync(self, params: PyTree) -> Moved:
-    data = self.sender.send(params, full=self._anchor)
+    data = self.sender.send(params, anchor=self._anchor)
     self.receiver.receive(data)
     self._anchor = False
     return Moved(self.sender.version, self.sender.last_stats.changed, len(data))
@@ -68,7 +68,7 @@ class FeedLink:
 
   def sync(self, params: PyTree) -> Moved:
     before = self.publisher.bytes_put
-    self.publisher.publish(params, full=self._anchor)  # other bits: the version as an anchor
+    self.publisher.publish(params, anchor=self._anchor)  # other bits: the version as an anchor
     self._anchor = False
     self.subscriber.poll()
     if self.subscriber.version != self.sender.version:
