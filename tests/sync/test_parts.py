@@ -4,6 +4,7 @@ parts; reading only the units a process needs. The multi-process jobs are in
 ``tests/multihost``."""
 
 import dataclasses
+import mmap
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +63,7 @@ def test_parts_are_exact_across_layouts_codings_and_overflow(trainer, rollout, c
     assert receiver.last_read.bytes_read == receiver.last_read.bytes_total  # one process
 
 
-def test_a_part_is_about_the_size_of_the_whole_payload():
+def test_a_part_is_about_the_size_of_the_whole_payload(tmp_path):
   """The same update as one payload and as one part: the part pays a small index per unit."""
   base, plan, sender, _, _ = _setup("fsdp8", "single", capacity=0.1)
   twin = jsparse.Sender(plan, place(base, "fsdp8"))
@@ -71,10 +72,13 @@ def test_a_part_is_about_the_size_of_the_whole_payload():
   whole, part = twin.send(place(new, "fsdp8")), sender.send_part(place(new, "fsdp8"))
   units = len(parts_wire.read_index(plan, part).entries)
   assert len(part) <= len(whole) + 80 * units, (len(part), len(whole), units)
-  # One call takes every form of a version: the payload, the part alone, the parts in a list.
-  for data in (whole, part, [part]):
-    receiver = jsparse.Receiver(plan, plan.cast(place(base, "single")))
-    assert_trees_bitwise_equal(receiver.receive(data), plan.cast(new))
+  # One call takes every form of a version: the payload, the part alone (bytes, or an mmap of
+  # a file), the parts in a list or a tuple.
+  (tmp_path / "part").write_bytes(part)
+  with open(tmp_path / "part", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    for data in (whole, part, m, [part], (m,)):
+      receiver = jsparse.Receiver(plan, plan.cast(place(base, "single")))
+      assert_trees_bitwise_equal(receiver.receive(data), plan.cast(new))
 
 
 def _refused(receiver, parts, error=jsparse.PayloadError, match=None):

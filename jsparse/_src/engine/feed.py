@@ -239,8 +239,10 @@ class FilePart:
     self.close()
 
   def __del__(self):
-    with contextlib.suppress(Exception):
+    try:  # (no module globals: at interpreter exit they may be gone already)
       self.close()
+    except Exception:  # noqa: BLE001 - nothing to report from a finalizer
+      pass
 
 
 class DirectoryFeed:

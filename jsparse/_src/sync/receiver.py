@@ -49,6 +49,14 @@ NEEDS_ANCHOR = ("this receiver needs an anchor: a Subscriber asks for one by its
                 "Receiver, have the trainer send one (sender.send(params, anchor=True))")
 
 
+def _bytes_like(data) -> bool:
+  """Whether ``data`` (with ``len`` and indexing) is bytes (e.g. an ``mmap``: it indexes to
+  ints), not a sequence of parts."""
+  if isinstance(data, (bytes, bytearray, memoryview)):
+    return True
+  return len(data) > 0 and isinstance(data[0], (int, np.integer))
+
+
 class Receiver:
   """Rollout side of a sync: applies payloads from a :class:`Sender` to its params.
 
@@ -179,13 +187,13 @@ class Receiver:
     """
     if isinstance(data, Payload):
       return self._apply_records(data, data.segments)
-    if isinstance(data, (list, tuple)):
-      return self._apply_parts(data)
     if not hasattr(data, "__getitem__") or not hasattr(data, "__len__") or \
         isinstance(data, str):
       raise ArgumentError("jsparse: data must be the bytes of a payload or of a part, a list "
                           f"of a version's parts, or a decoded Payload; got "
                           f"{type(data).__name__}")
+    if not _bytes_like(data):  # a sequence of parts
+      return self._apply_parts(data)
     if bytes(data[:len(parts_wire.MAGIC)]) == parts_wire.MAGIC:  # a version of one part
       return self._apply_parts([data])
     header, reader = framing.read_header(self.plan, data)
