@@ -208,15 +208,9 @@ class Receiver:
     with self._lock:
       self._check_base(header)
       flat = self._write_dense(body.dense)
-      if not body.counts.any():
-        digest = programs.leaves_digest(self.plan, flat, self._layouts)
-      else:
-        inputs = packed_stage.receiver_inputs(self.plan, flat, body)._replace(
-            dense=staging.dense_in_delta(header, body.modes))
-        flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
-                                             donate=self._donate, base=self._base(header))
-      self._verify_and_commit(header, flat, digest_bytes(digest))
-      return self.params
+      inputs = None if not body.counts.any() else packed_stage.receiver_inputs(
+          self.plan, flat, body)._replace(dense=staging.dense_in_delta(header, body.modes))
+      return self._apply_and_commit(header, flat, inputs)
 
   @mesh_neutral
   def _apply_records(self, header: Payload, records: Iterable[SegmentPayload]) -> PyTree:
@@ -230,12 +224,19 @@ class Receiver:
     self._check_base(header)
     staged, dense, modes = staging.stage_records(self.plan, self._flat, records)
     flat = self._write_dense(dense)
-    if all(mode == Mode.DENSE for mode in modes):
+    inputs = None if all(mode == Mode.DENSE for mode in modes) else staged.inputs(
+        ranked=ranked_segments(self.plan, modes), coded=header.format.coded,
+        dense=staging.dense_in_delta(header, modes))
+    return self._apply_and_commit(header, flat, inputs)
+
+  def _apply_and_commit(self, header: Payload, flat: list,
+                        inputs: programs.ReceiverInputs | None) -> PyTree:
+    """What every form of a version ends in, whatever its coding: its staged sparse
+    ``inputs`` (None: it has none) applied to ``flat`` (its dense records written), the
+    digest of the result checked against the sender's, and the new params committed."""
+    if inputs is None:
       digest = programs.leaves_digest(self.plan, flat, self._layouts)
     else:
-      inputs = staged.inputs(ranked=ranked_segments(self.plan, modes),
-                             coded=header.format.coded,
-                             dense=staging.dense_in_delta(header, modes))
       flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
                                            donate=self._donate, base=self._base(header))
     self._verify_and_commit(header, flat, digest_bytes(digest))
@@ -291,17 +292,11 @@ class Receiver:
     parts_lib.agree(error, self._flat)
     self.last_read = read.stats
     flat = parts_lib.write_dense_units(self.plan, self._flat, read)
-    if not read.any_sparse:
-      digest = programs.leaves_digest(self.plan, flat, self._layouts)
-    else:
-      inputs = read.staged.inputs(
-          ranked=tuple(seg.ordered and read.header.ranked for seg in self.plan.segments),
-          coded=read.header.format.coded, slot_counts=read.sparse_counts,
-          dense=parts_lib.dense_segments(self.plan, read))
-      flat, digest = programs.apply_inputs(self.plan, self._layouts, flat, inputs,
-                                           donate=self._donate, base=self._base(read.header))
-    self._verify_and_commit(read.header, flat, digest_bytes(digest))
-    return self.params
+    inputs = None if not read.any_sparse else read.staged.inputs(
+        ranked=tuple(seg.ordered and read.header.ranked for seg in self.plan.segments),
+        coded=read.header.format.coded, slot_counts=read.sparse_counts,
+        dense=parts_lib.dense_segments(self.plan, read))
+    return self._apply_and_commit(read.header, flat, inputs)
 
   def _check_base(self, payload: Payload) -> None:
     """Refuses a payload for another base version or state."""
