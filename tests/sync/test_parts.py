@@ -13,8 +13,9 @@ import pytest
 
 import jsparse
 from jsparse._src.core.units import (Unit, block_box, needs_unit, to_segment_positions,
-                                     to_unit_positions)
+                                     to_unit_positions, unit_slots)
 from jsparse._src.wire import parts as parts_wire
+from jsparse._src.wire.payload import Mode
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
 from tests.meshes import PAIRS, assert_layout, place, trees
@@ -79,6 +80,26 @@ def test_a_part_is_about_the_size_of_the_whole_payload(tmp_path):
     for data in (whole, part, m, [part], (m,)):
       receiver = jsparse.Receiver(plan, plan.cast(place(base, "single")))
       assert_trees_bitwise_equal(receiver.receive(data), plan.cast(new))
+
+
+@pytest.mark.parametrize("coding", ["ranked", "packed"])
+def test_parts_of_split_leaves_widened_past_their_capacity_are_sparse_and_exact(coding):
+  """A leaf split over 8 devices whose changes exceed its capacity: its blocks' slots widen, and
+  its units carry more changes than the capacity, sparsely, to a receiver of the same mesh."""
+  base, plan, sender, receiver, shardings = _setup("fsdp8", "fsdp8", coding, capacity=0.01)
+  rng = np.random.default_rng(5)
+  for step in range(3):
+    new = {k: strategies.nudge_leaf(rng, v, 0.1) for k, v in base.items()}
+    part = sender.send_part(place(new, "fsdp8"))
+    entries = parts_wire.read_index(plan, part).entries
+    out = receiver.receive([part])
+    assert_trees_bitwise_equal(out, plan.cast(new))
+    base = new
+  split_leaf = [i for i, seg in enumerate(plan.segments) if seg.blocks > 1][0]
+  widened = [e for e in entries if e.unit.segment == split_leaf]
+  assert widened and all(e.mode != Mode.DENSE and
+                         e.count > unit_slots(plan, e.unit).segments[0].capacity
+                         for e in widened), widened
 
 
 def _refused(receiver, parts, error=jsparse.PayloadError, match=None):

@@ -203,8 +203,9 @@ def _check_unit(plan: Plan, header: PartHeader, unit: Unit, mode: int, count: in
   slot = slots.segments[0]
   if mode not in FORMAT_MODES[header.format]:
     raise PayloadError(f"{slots.name}: mode {mode} is not one of format {header.format}")
+  # (A sparse unit holds at most its size: a sender's slots widen past the capacity.)
   expected = {Mode.DENSE: count == slot.size, Mode.EMPTY: count == 0 and length == 0}.get(
-      Mode(mode), 0 < count <= (slot.size if seg.blocks == 1 else slot.capacity))
+      Mode(mode), 0 < count <= slot.size)
   if not expected:
     raise PayloadError(f"{slots.name}: a {Mode(mode).name} unit of {count} elements (size "
                        f"{slot.size}, capacity {slot.capacity})")

@@ -238,8 +238,8 @@ def check_records(plan: Plan, payload: Payload) -> Payload:
 
   Raises:
     PayloadError: versions that do not increase or reach 2**63; naming the segment: a mode of
-      another format, a dense record of the wrong
-      size, indices out of range, unsorted or repeated, more changes than the capacity, ranks
+      another format, a dense record of the wrong size, indices out of range, unsorted or
+      repeated (so never more changes than the segment's size), ranks
       for a segment that has no rank order, a payload mixing ranks and positions in ordered
       segments, an anchor with sparse records, values of the wrong width.
   """
