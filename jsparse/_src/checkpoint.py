@@ -334,12 +334,11 @@ class DeltaCheckpointManager:
           rows = np.zeros((len(meta["lengths"]), max(meta["lengths"])), np.uint8)
           rows = self._restore_item(s, "parts", ocp.args.StandardRestore({"bytes": rows}))
           receiver.receive([np.asarray(row[:n]).tobytes()
-                                  for row, n in zip(rows["bytes"], meta["lengths"])])
+                            for row, n in zip(rows["bytes"], meta["lengths"])])
           continue
         target = ocp.args.StandardRestore(_delta_target(self.plan, meta))
         arrays = self._restore_item(s, "delta", target)
-        receiver.receive(check_records(self.plan,
-                                             _payload_from_arrays(self.plan, meta, arrays)))
+        receiver.receive(check_records(self.plan, _payload_from_arrays(self.plan, meta, arrays)))
       except JsparseError as e:
         raise CheckpointError(f"step {s}: delta is corrupted ({e}); steps up to {s - 1} of "
                               "this chain are restorable") from e

@@ -115,7 +115,8 @@ def test_receive_names_what_it_expects(parts, message):
 
 
 @pytest.mark.parametrize("data, message", [(b"JSPS", "truncated"), (b"a part", "truncated"),
-                                           ([b"JSPP"], "truncated"), ([], "no parts given")])
+                                           ([b"JSPP"], "truncated"), ([b"x"], "truncated"),
+                                           ([], "no parts given")])
 def test_receive_refuses_bytes_that_are_no_payload_or_part(data, message):
   plan, params, _ = _setup(leaves=1, size=8)
   receiver = jsparse.Receiver(plan, plan.cast(params))

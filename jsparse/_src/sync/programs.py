@@ -448,15 +448,16 @@ class DiffWidths:
     """The slot level a chunk's diff runs at in this sync (:meth:`level`); ``key``: the
     diff's family in :data:`SLOT_LEVELS` and the step's coding. A sender's first delta runs
     at the level its changes need, ``counts()`` per segment, with twice the headroom (a
-    counting pass first: the first sync compiles in any case); a coding's first delta after that (``"auto"`` chose another)
-    at the capacity, compiled ahead by the choice's calibration; an anchor at the capacity."""
+    counting pass first: the first sync compiles in any case); a coding's first delta after
+    that (``"auto"`` chose another) at the capacity, compiled ahead by the choice's
+    calibration; an anchor at the capacity."""
     if jax.process_count() > 1 or not delta:
       return 0
-    if self._first_coding is None:
-      self._first_coding = key[1]
     if key not in self._levels:  # every chunk of the first delta counts its changes
       self._levels[key] = self._level_for(chunk_plan, counts(), 2 * self.headroom) \
-          if key[1] == self._first_coding else 0
+          if self.counts(key, delta) else 0
+      if self._first_coding is None:
+        self._first_coding = key[1]
     armed = self._armed.pop(key, None)
     if armed is not None:  # compiled by the last sync
       self._levels[key] = armed
