@@ -150,3 +150,22 @@ def test_restarted_rollout_and_trainer_resume_from_orbax_state(run, tmp_path):
   restarted.publish(states[7])
   assert subscriber.poll() == [6, 7]
   assert_trees_bitwise_equal(subscriber.params, plan.cast(states[7]))
+
+
+def test_anchor_every_names_the_same_versions_on_a_sender_and_on_a_publisher(tmp_path):
+  """``anchor_every=3``: versions 3 and 6 carry anchors, on a sender (sent as anchors) and on a
+  publisher (published next to their deltas) alike; an anchor asked for in between (version 2)
+  does not move them."""
+  params = {"w": jnp.zeros(64)}
+  plan = jsparse.make_plan(params)
+  states = [{"w": jnp.full(64, float(v))} for v in range(1, 8)]
+  sender, sent = jsparse.Sender(plan, params, anchor_every=3), []
+  for version, state in enumerate(states, start=1):
+    sender.send(state, anchor=version == 2)
+    sent.append(sender.last_stats.anchor)
+  publisher = Publisher(jsparse.Sender(plan, params), DirectoryFeed(tmp_path / "feed"),
+                        anchor_every=3)
+  published = [any(e.kind == "anchor" for e in publisher.publish(state, with_anchor=version == 2))
+               for version, state in enumerate(states, start=1)]
+  assert [v for v, a in enumerate(sent, start=1) if a] == [2, 3, 6]
+  assert [v for v, a in enumerate(published, start=1) if a] == [2, 3, 6]

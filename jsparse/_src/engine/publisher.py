@@ -1,8 +1,9 @@
 """The trainer side of an engine: :class:`Publisher` puts every version's parts into a feed.
 
-Each ``publish`` sends a delta from the previous version; every ``anchor_every`` versions, or
-when a subscriber asked for one, it also puts an anchor of the same version (the dense state,
-accepted on any older base, streamed in parts like any version). Retention keeps the newest
+Each ``publish`` sends a delta from the previous version; when the version's number is a
+multiple of ``anchor_every`` (as on a :class:`~jsparse.Sender`: that version carries an
+anchor), or when a subscriber asked for one, it also puts an anchor of the same version (the
+dense state, accepted on any older base, streamed in parts like any version) next to the delta. Retention keeps the newest
 anchor, the deltas after it and those of the last ``keep`` versions, so a rollout that lags by
 up to ``keep`` versions catches up along the deltas, one that lags more takes the anchor, and
 the feed never grows: a slow rollout never blocks the trainer, and nothing is deleted that a
@@ -54,7 +55,10 @@ class Publisher:
   Args:
     sender: the trainer's sender (fresh, or restored from its saved state).
     feed: where parts go (:class:`~jsparse.engine.DirectoryFeed`, :class:`~jsparse.engine.RayFeed`).
-    anchor_every: also publish an anchor every this many versions (None: only on request).
+    anchor_every: a version whose number is a multiple of this carries an anchor, as on a
+      :class:`~jsparse.Sender`; here it is published next to the version's delta, so that
+      rollouts that follow keep applying deltas (None: only on request). Give it to the
+      publisher rather than to its sender, whose anchors replace the delta.
     keep: keep the deltas of the last ``keep`` versions even when an anchor is newer.
     chunk_bytes: each version (and each anchor) is streamed in parts of at most this many bytes
       of rollout data, each put into the feed as soon as it is coded: a trainer process never
@@ -137,7 +141,6 @@ class Publisher:
       _housekeeping("removing failed publishes' parts", lambda: self._clean([]))
     latest = agreed_int(_on_process_0(self._latest))
     self._resync = latest >= 0 and latest != sender.version
-    self._since_anchor = 0
     # A new generation over versions of earlier ones: the rollouts that lag behind them need an
     # anchor of this generation (they follow only the newest).
     self._anchor_owed = latest >= 0
@@ -203,14 +206,12 @@ class Publisher:
       stream = self.sender.send_stream(params, anchor=anchor, chunk_bytes=self.chunk_bytes)
     written = [self._put_stream(stream)]
     self._resync = False
-    self._since_anchor = 0 if stream.anchor else self._since_anchor + 1
     requested = agreed_flag(jax.process_index() == 0 and bool(_housekeeping(
         "taking an anchor request", self.feed.take_anchor_request)))
     self._anchor_owed = self._anchor_owed or requested
-    if not stream.anchor and (with_anchor or self._anchor_owed or (
-        self.anchor_every and self._since_anchor >= self.anchor_every)):
+    due = self.anchor_every is not None and self.sender.version % self.anchor_every == 0
+    if not stream.anchor and (with_anchor or self._anchor_owed or due):
       written.append(self._put_stream(self.sender.anchor_stream(chunk_bytes=self.chunk_bytes)))
-      self._since_anchor = 0
     self._anchor_owed = False  # an anchor of this version is committed
     self._published[self.sender.version] = (self.sender.digest.hex(), time.time())
     while len(self._published) > _PUBLISHED_KEPT:

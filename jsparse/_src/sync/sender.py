@@ -116,7 +116,8 @@ class Sender:
     plan: from :func:`jsparse.make_plan`.
     params: the params the receiver starts from, in trainer or rollout dtypes.
     version: the version ``params`` are (the receiver must start from the same one).
-    anchor_every: if set, every ``anchor_every``-th version is sent as a full (dense) anchor.
+    anchor_every: a version whose number is a multiple of this carries an anchor: it is sent
+      as one (the whole state), as ``anchor=True`` does (None: only when asked or needed).
     coding: a :class:`~jsparse.Coding` (or its string): ``"positioned"`` (the default, ~1.35
       bytes per change on RL updates, each side's device passes near one read of the weights),
       ``"ranked"`` (~1 byte per change, the receiver building class tables of its weights: for
