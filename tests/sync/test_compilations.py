@@ -337,3 +337,26 @@ def test_distinct_programs_compile_side_by_side_and_the_calls_find_them(monkeypa
   assert _compiles() == before, "a call compiled its program again"
   assert [int(o[0]) for o in outs] == [3, 3, 5, 5] * 2
   assert compile_side_by_side.compile_distinct(calls) == 0
+
+
+def test_forgetting_the_compiled_levels_drops_those_not_started():
+  """After ``jax.clear_caches()`` (``staging.forget_compiled``): the level compiling finishes,
+  those still queued are never compiled, and every level is unknown again."""
+  levels, started, release, ran = programs.SlotLevels(), threading.Event(), threading.Event(), []
+
+  def first():
+    started.set()
+    release.wait(timeout=60)
+    ran.append(1)
+
+  levels.ran("family", 0)
+  levels.request("family", 1, first)
+  levels.request("family", 2, lambda: ran.append(2))
+  assert started.wait(timeout=60)
+  forgetting = threading.Thread(target=levels.forget)
+  forgetting.start()
+  release.set()
+  forgetting.join(timeout=60)
+  assert not forgetting.is_alive() and ran == [1]
+  assert levels.wait(timeout=0) and levels.ready("family") == set()
+  assert levels.wanted("family", 2) and levels.choose("family", needed=2) == 0

@@ -756,9 +756,14 @@ class SlotLevels:
       return known is not None and any(level in p for p in known.pending.values())
 
   def forget(self) -> None:
-    """Forgets every compiled level, once the background thread is idle: after
-    ``jax.clear_caches()``, which drops the programs themselves (each family's next call
-    runs at its base level again, compiling it, as at its first call)."""
+    """Forgets every compiled level: after ``jax.clear_caches()``, which drops the programs
+    themselves (each family's next call runs at its base level again, compiling it, as at its
+    first call). The levels requested and not started are dropped (they would compile programs
+    nothing knows of); the one compiling is waited for."""
+    with self._lock:
+      self._unfinished -= len(self._jobs)
+      self._jobs.clear()
+      self._idle.notify_all()
     self.wait()
     with self._lock:
       self._families.clear()
