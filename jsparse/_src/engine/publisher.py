@@ -3,11 +3,11 @@
 Each ``publish`` sends a delta from the previous version; when the version's number is a
 multiple of ``anchor_every`` (as on a :class:`~jsparse.Sender`: that version carries an
 anchor), or when a subscriber asked for one, it also puts an anchor of the same version (the
-dense state, accepted on any older base, streamed in parts like any version) next to the delta. Retention keeps the newest
-anchor, the deltas after it and those of the last ``keep`` versions, so a rollout that lags by
-up to ``keep`` versions catches up along the deltas, one that lags more takes the anchor, and
-the feed never grows: a slow rollout never blocks the trainer, and nothing is deleted that a
-rollout needs while no newer anchor exists.
+dense state, accepted on any older base, streamed in parts like any version) next to the
+delta. Retention keeps the newest anchor, the deltas after it and those of the last ``keep``
+versions, so a rollout that lags by up to ``keep`` versions catches up along the deltas, one
+that lags more takes the anchor, and the feed never grows: a slow rollout never blocks the
+trainer, and nothing is deleted that a rollout needs while no newer anchor exists.
 
 Each publisher that opens a feed claims a *generation* larger than every earlier one (a
 create-only claim): a trainer restored from a saved state, and its zombie twin, hold different
