@@ -45,7 +45,7 @@ from jsparse._src.engine.signing import SigningKey, key_argument
 from jsparse._src.errors import ConfigError, FencedError, PartsLostError, StalenessError
 from jsparse._src.options import feed_argument, float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
-from jsparse._src.sync.sender import Sender
+from jsparse._src.sync.sender import Sender, anchor_due
 from jsparse._src.sync.stream import PartStream
 
 
@@ -209,7 +209,7 @@ class Publisher:
     requested = agreed_flag(jax.process_index() == 0 and bool(_housekeeping(
         "taking an anchor request", self.feed.take_anchor_request)))
     self._anchor_owed = self._anchor_owed or requested
-    due = self.anchor_every is not None and self.sender.version % self.anchor_every == 0
+    due = anchor_due(self.sender.version, self.anchor_every)
     if not stream.anchor and (with_anchor or self._anchor_owed or due):
       written.append(self._put_stream(self.sender.anchor_stream(chunk_bytes=self.chunk_bytes)))
     self._anchor_owed = False  # an anchor of this version is committed

@@ -761,9 +761,7 @@ class SlotLevels:
     first call). The levels requested and not started are dropped (they would compile programs
     nothing knows of); the one compiling is waited for."""
     with self._lock:
-      self._unfinished -= len(self._jobs)
-      self._jobs.clear()
-      self._idle.notify_all()
+      self._drop_queued()
     self.wait()
     with self._lock:
       self._families.clear()
@@ -773,16 +771,20 @@ class SlotLevels:
     with self._idle:
       return self._idle.wait_for(lambda: self._unfinished == 0, timeout)
 
+  def _drop_queued(self) -> None:
+    """Drops the requested levels not started (the lock held): none of them is compiled."""
+    self._unfinished -= len(self._jobs)
+    self._jobs.clear()
+    self._idle.notify_all()
+
   def _run(self) -> None:
     """The background thread: compiles the requested levels one at a time; stops when there
     are none left, or when the main thread has ended (the interpreter is exiting)."""
     while True:
       with self._lock:
         if not self._jobs or not threading.main_thread().is_alive():
-          self._unfinished -= len(self._jobs)
-          self._jobs.clear()
+          self._drop_queued()
           self._thread = None
-          self._idle.notify_all()
           return
         job = self._jobs.popleft()
       self._compile(*job)

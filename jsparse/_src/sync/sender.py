@@ -100,6 +100,16 @@ class SendStats:
     return self.changed / max(1, self.elements)
 
 
+def anchor_due(version: int, anchor_every: int | None) -> bool:
+  """Whether ``version`` carries an anchor under ``anchor_every`` (a :class:`Sender`'s or a
+  ``Publisher``'s): its number is a multiple of it.
+
+  >>> [v for v in range(1, 8) if anchor_due(v, 3)], anchor_due(3, None)
+  ([3, 6], False)
+  """
+  return anchor_every is not None and version % anchor_every == 0
+
+
 def coding_option(coding: Coding | str) -> Coding:
   """``coding`` as a :class:`Coding`, else :class:`ConfigError`."""
   try:
@@ -538,8 +548,7 @@ class Sender:
     # A multi-process trainer sends an anchor if any process must (its encode failed): all
     # parts of a version are of one kind.
     needs_anchor = bool(processes_with(self._needs_anchor, self._snapshot))
-    anchor = anchor or needs_anchor or (self.anchor_every is not None
-                                    and version % self.anchor_every == 0)
+    anchor = anchor or needs_anchor or anchor_due(version, self.anchor_every)
     flat = self._placed_like_snapshot(commit_leaves(self.plan.flatten(params, what="params")))
     self._step_coding = self._coding_for(anchor, flat) if choose else self.coding
     snapshot_ids = {id(x) for x in self._snapshot}  # the snapshot is donated below
