@@ -28,7 +28,7 @@ from jsparse._src.sync.state import SyncState, abstract_sync_state
 from jsparse._src.sync.stream import PartStream
 from jsparse._src.wire.payload import Coding
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 _LAZY = {"DeltaCheckpointManager", "SaveInfo"}  # Orbax is imported on first use only
 

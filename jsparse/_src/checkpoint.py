@@ -9,7 +9,7 @@ per change). Both carry a small JSON ``meta`` item: the step the delta
 applies to, the chain's base, the plan fingerprint and the 64-bit digest of the bit patterns
 after the step. In a multi-controller job (params spanning processes) every process calls
 ``save`` and ``restore``; a delta step then holds each process's payload part
-(:meth:`~jsparse.Sender.send_part`) as one row of a byte array (kind ``"parts"``), and any
+(:meth:`~jsparse.Sender.send`) as one row of a byte array (kind ``"parts"``), and any
 process count restores it. A chain with a packed ``coding`` stores its deltas as parts too,
 bit-packed on the devices. Restoring step ``s`` restores its base onto the shardings asked for, then applies
 the deltas in order, checking every digest, so a restore is bit-exact or an error that names the
@@ -282,7 +282,7 @@ class DeltaCheckpointManager:
         items = {}  # Orbax refuses an empty item; the meta says it all
     elif spans_processes(params) or self.coding.format == Format.PACKED:
       parent, parent_digest = sender.version, sender.digest
-      part = sender.send_part(params, version=step)
+      part = sender.send(params, version=step)
       rows, lengths = _rows_of_parts(part)
       meta = chain_meta.parts_meta(self.plan, step=step, parent=parent,
                                    base=self.meta(parent)["base"], parent_digest=parent_digest,

@@ -13,6 +13,8 @@ import concurrent.futures
 import os
 from typing import Callable, Iterable, Iterator, TypeVar
 
+import jax
+
 T = TypeVar("T")
 R = TypeVar("R")
 _POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
@@ -24,14 +26,33 @@ def default_threads() -> int:
   return max(1, int(value)) if value else max(1, min(8, os.cpu_count() or 1))
 
 
+def in_callers_context(fn: Callable[[T], R]) -> Callable[[T], R]:
+  """``fn`` to run on another thread as on the calling one: under the caller's
+  ``jax.enable_x64`` setting, which JAX keeps per thread (a 64-bit leaf staged on a pool
+  thread would otherwise be cut to 32 bits).
+
+  >>> import jax, jax.numpy as jnp
+  >>> with jax.enable_x64(True):
+  ...   parallel_map(in_callers_context(lambda x: jnp.asarray(x).dtype.name), [2**40], threads=2)
+  ['int64']
+  """
+  x64 = bool(jax.config.jax_enable_x64)
+
+  def call(x: T) -> R:
+    with jax.enable_x64(x64):
+      return fn(x)
+  return call
+
+
 def parallel_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None = None
                  ) -> list[R]:
-  """``[fn(x) for x in items]``, in order, on ``threads`` threads (the first error raised)."""
+  """``[fn(x) for x in items]``, in order, on ``threads`` threads (the first error raised), in
+  the caller's JAX context (:func:`in_callers_context`)."""
   items = list(items)
   threads = default_threads() if threads is None else threads
   if threads <= 1 or len(items) <= 1:
     return [fn(x) for x in items]
-  return list(_pool(threads).map(fn, items))
+  return list(_pool(threads).map(in_callers_context(fn), items))
 
 
 def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
@@ -90,7 +111,8 @@ def bounded_map(pool: concurrent.futures.Executor, fn: Callable[[T], R], items: 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None = None
                 ) -> Iterator[R]:
   """Yields ``fn(x)`` for ``items`` in order, computing up to ``threads`` results ahead of the
-  consumer on the pool (so at most that many wait in memory). ``fn`` must not use the pool.
+  consumer on the pool (so at most that many wait in memory), in the caller's JAX context
+  (:func:`in_callers_context`). ``fn`` must not use the pool.
 
   >>> list(ordered_map(lambda x: x + 1, range(4), threads=2))
   [1, 2, 3, 4]
@@ -99,6 +121,7 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None = 
   if threads <= 1:
     yield from (fn(x) for x in items)
     return
+  fn = in_callers_context(fn)
   pending: collections.deque = collections.deque()
   for x in items:
     pending.append(_pool(threads).submit(fn, x))

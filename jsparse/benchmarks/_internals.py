@@ -3,7 +3,7 @@
 The benchmarks otherwise use the public API (``jsparse``, ``jsparse.engine``,
 ``jsparse.quantized``). What follows they use on purpose: they time and size one stage of a
 sync at a time (the jitted device programs of diff and apply, the host's encode and decode, the
-framing), count bit flips, and throttle a feed to a link's bandwidth. None of it is API: it may
+the part's coding), count bit flips, and throttle a feed to a link's bandwidth. None of it is API: it may
 change with any release, and the benchmarks change with it. Everything a user does (send,
 receive, stream, publish, subscribe) goes through the public names, in the benchmarks too.
 """
@@ -21,11 +21,15 @@ from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.chunks import chunks_of
 from jsparse._src.core.delta import apply_program, diff_program
 from jsparse._src.core.placement import layouts_of
-from jsparse._src.sync import packed_stage, programs, staging
-from jsparse._src.sync.parts import PartsReader
-# The wire: the host's encode and decode of a payload, framing apart from the device stages.
-from jsparse._src.wire import framing, packed
-from jsparse._src.wire.payload import Format, Kind, Payload, segment_host_bits, segment_records
+from jsparse._src.core.units import owned_units
+from jsparse._src.sync import packed_units, programs
+from jsparse._src.sync.parts import (PartsReader, changes_of_units, part_records, read_parts,
+                                     sparse_inputs)
+from jsparse._src.sync.staging import StagedRecords
+# The wire: the host's coding and reading of a part, apart from the device stages.
+from jsparse._src.wire.packed import PackedRecord
+from jsparse._src.wire.parts import PartHeader, encode_part, read_index, read_unit
+from jsparse._src.wire.payload import Format, Kind
 # A feed throttled to a link's bandwidth (the simulated 1 and 10 Gbit/s links).
 from jsparse._src.engine.link import ThrottledFeed, TokenBucket
 
@@ -81,8 +85,9 @@ def sender_snapshot(sender: Any) -> Any:
 
 
 __all__ = [
-    "Format", "Kind", "PartsReader", "Payload", "ThrottledFeed", "TokenBucket", "apply_program",
-    "bits_lib", "chunks_of", "diff_program", "executed_programs", "framing", "layouts_of",
-    "packed", "packed_stage", "parts_reader", "programs", "segment_host_bits", "segment_records", "sender_snapshot",
-    "staging", "to_bits",
+    "Format", "Kind", "PackedRecord", "PartHeader", "PartsReader", "StagedRecords",
+    "ThrottledFeed", "TokenBucket", "apply_program", "bits_lib", "changes_of_units",
+    "chunks_of", "diff_program", "encode_part", "executed_programs", "layouts_of",
+    "owned_units", "packed_units", "part_records", "parts_reader", "programs", "read_index",
+    "read_parts", "read_unit", "sender_snapshot", "sparse_inputs", "to_bits",
 ]

@@ -96,7 +96,7 @@ def _streamed(sender, receiver, state, bucket: TokenBucket, full: bool, chunk_by
 
 
 def _one_shot(sender, receiver, state, bucket: TokenBucket, full: bool):
-  data = sender.send_part(state, anchor=full)
+  data = sender.send(state, anchor=full)
   bucket.transmit(len(data))
   return receiver.receive([data])
 

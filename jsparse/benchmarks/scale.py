@@ -290,10 +290,8 @@ def packed_host_rate_of(plan: jsparse.Plan, before, after, repeats: int = 3) -> 
   payload's bytes (:func:`~jsparse.benchmarks.sync.bytes_floor`)."""
   sender = jsparse.Sender(plan, before, coding="packed")
   data = sender.send(after)
-  rollout = jax.tree.leaves(plan.cast(before))  # the receiver's leaves
-  changes = sync.sender_device_stage(plan, Coding.PACKED, jax.tree.leaves(plan.cast(before)),
-                                     jax.tree.leaves(after))  # (its snapshot donated)
-  row = sync.packed_host_times(plan, Coding.PACKED, changes, rollout, data, repeats)
+  stages = sync.stage_times(plan, Coding.PACKED, plan.cast(before), after, data, repeats)
+  row = {"host_encode": stages["host_encode"], "host_decode": stages["host_decode"]}
   row.update(params=plan.num_elements, changed=sender.last_stats.changed, bytes=len(data),
              per_byte=(row["host_encode"] + row["host_decode"]) / len(data),
              bytes_floor=sync.bytes_floor(len(data), repeats))

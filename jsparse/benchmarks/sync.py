@@ -36,10 +36,11 @@ import zstandard
 
 import jsparse
 from jsparse import Coding
-from jsparse.benchmarks._internals import (Format, Kind, Payload, apply_program, bits_lib,
-                                           chunks_of, diff_program, framing, layouts_of, packed,
-                                           packed_stage, programs, segment_host_bits,
-                                           segment_records, staging)
+from jsparse.benchmarks._internals import (Format, Kind, PackedRecord, PartHeader, StagedRecords,
+                                           apply_program, bits_lib, changes_of_units,
+                                           chunks_of, diff_program, encode_part, layouts_of,
+                                           owned_units, packed_units, part_records, programs,
+                                           read_index, read_parts, read_unit, sparse_inputs)
 
 LINKS_GBIT = (0.1, 1, 10, 100)
 METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + zstd",
@@ -186,17 +187,13 @@ def _jsparse(plan, before, after, repeats, coding):
   row = {"bytes": len(data),
          "encode": _best(lambda s: s.send(after), fresh_sender, repeats),
          "apply": _best(lambda r: r.receive(data), fresh_receiver, repeats)}
+  row.update(stage_times(plan, coding, snapshot, after, data, repeats))
   if coding.format == Format.PACKED:
-    row.update(packed_stage_times(plan, coding, snapshot, after, data, repeats))
-    inputs = packed_stage.receiver_inputs(plan, jax.tree.leaves(snapshot),
-                                          _packed_body(plan, data))
-  else:
-    row.update(stage_times(plan, coding, snapshot, after, data, repeats))
-    inputs = staging.receiver_inputs(plan, jax.tree.leaves(snapshot),
-                                     *framing.decode_lazily(plan, data))
-  flat = jax.tree.leaves(after)
-  layouts = layouts_of(plan, jax.tree.leaves(snapshot))
-  row["temp"] = _chunk_temps(plan, coding, layouts, jax.tree.leaves(snapshot), flat, inputs)
+    row["bytes_floor"] = bytes_floor(len(data), repeats)
+  rollout = jax.tree.leaves(snapshot)
+  inputs = sparse_inputs(plan, read_parts(plan, [data], rollout))
+  layouts = layouts_of(plan, rollout)
+  row["temp"] = _chunk_temps(plan, coding, layouts, rollout, jax.tree.leaves(after), inputs)
   return row
 
 
@@ -217,86 +214,59 @@ def receiver_device_stage(plan: jsparse.Plan, layouts: tuple, inputs: programs.R
                                base=(flat, np.zeros(2, np.uint32)))
 
 
+def _one_part(plan: jsparse.Plan, coding: Coding, changes: programs.DeviceChanges,
+              rollout: list, units: tuple) -> bytes:
+  """The part of a delta of ``changes`` over ``units`` (the sender's host stage)."""
+  head = PartHeader(coding.parts.format, Kind.DELTA, coding.ranked, 0, 1, bytes(8), bytes(8),
+                    0, 1)
+  return encode_part(plan, head, units, part_records(plan, coding.parts, units, changes,
+                                                     rollout, False))
+
+
+def _unpack_units(plan: jsparse.Plan, rollout: list, data: bytes) -> list:
+  """A packed part's units unpacked and checked on the receiver's devices (their streams
+  copied there included), from records decoded beforehand."""
+  index = read_index(plan, data)
+  records = [(e.unit, read_unit(plan, index, data, i)) for i, e in enumerate(index.entries)]
+  staged = StagedRecords(plan, rollout)
+  return jax.block_until_ready([packed_units.stage_unit(plan, unit, record, staged)
+                                for unit, record in records if isinstance(record, PackedRecord)])
+
+
 def stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any, data: bytes,
                 repeats: int = 5) -> dict:
-  """Seconds of a sync's four stages (best of ``repeats``): the sender's device stage
-  (``diff``), host records and bytes (``host_encode``), host decoding into device inputs
-  (``host_decode``: the records staged on the device included), the receiver's device stage
-  (``device_apply``). ``data``: the payload of this update."""
+  """Seconds of a sync's stages (best of ``repeats``): the sender's device stage (``diff``),
+  its host stage (``host_encode``: the part's records and bytes from the diff's outputs), the
+  receiver's host stage (``host_decode``: the part read, its records staged on the device), its
+  device stage (``device_apply``). ``data``: the part of this update. A packed coding's device
+  passes are two more: the sender's packing (``device_pack``, which ``host_encode`` then does
+  not count), the receiver's unpacking and checks (``device_unpack``, likewise out of
+  ``host_decode``)."""
   flat = jax.tree.leaves(after)
-  fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
-  device_stage = functools.partial(sender_device_stage, plan, coding)
-  delta, old, ranks = jax.device_get(device_stage(*fresh_snapshot())[:3])
-  dense = lambda s: segment_host_bits(plan, s, jax.tree.leaves(snapshot))
-
-  def changes(s: int) -> tuple:
-    return delta.indices[s], delta.values[s], old[s], None if ranks is None else ranks[s]
-
-  def encode_host():
-    records = segment_records(plan, coding, delta.counts, delta.overflow, changes, dense=dense)
-    return framing.encode(plan, Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), records,
-                                        coding.format))
-
-  row = {"diff": _best(device_stage, fresh_snapshot, repeats)}
-  row["host_encode"] = _best(encode_host, repeats=repeats)
-  decode = lambda: staging.receiver_inputs(plan, jax.tree.leaves(snapshot),
-                                           *framing.decode_lazily(plan, data))
-  row["host_decode"] = _best(decode, repeats=repeats)
-  inputs = decode()
-  layouts = layouts_of(plan, jax.tree.leaves(snapshot))
-  device_apply = functools.partial(receiver_device_stage, plan, layouts, inputs)
-  row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
-  return row
-
-
-def _packed_body(plan: jsparse.Plan, data: bytes) -> packed.PackedBody:
-  header, reader = framing.read_header(plan, data)
-  return packed.decode_body(plan, header.kind, reader)
-
-
-def packed_stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any,
-                       data: bytes, repeats: int = 5) -> dict:
-  """:func:`stage_times` of the packed coding, whose device passes are two more: the sender's
-  packing (``device_pack``) after the diff, the receiver's unpacking and checks
-  (``device_unpack``) before the apply; its host stages (:func:`packed_host_times`) only move
-  and frame words, held against ``bytes_floor``: copying ``data``'s bytes from the device,
-  their CRC32 and the copy back."""
-  flat = jax.tree.leaves(after)
+  rollout = jax.tree.leaves(snapshot)
   fresh_snapshot = lambda: (jax.tree.leaves(_copy(snapshot)), flat)
   device_stage = functools.partial(sender_device_stage, plan, coding)
   changes = device_stage(*fresh_snapshot())
-  rollout = jax.tree.leaves(snapshot)
-  row = {"diff": _best(device_stage, fresh_snapshot, repeats),
-         "device_pack": _best(
-             lambda: packed_stage.pack_chunks(plan, changes, False, coding.ranked).launched,
-             repeats=repeats)}
-  row.update(packed_host_times(plan, coding, changes, rollout, data, repeats))
-  body = _packed_body(plan, data)
-  staged = packed_stage.stage_streams(plan, rollout, body)
-  row["device_unpack"] = _best(
-      lambda: packed_stage.unpack_streams(plan, rollout, staged, body.counts, body.ranked)[:2],
-      repeats=repeats)
-  inputs = packed_stage.unpack_streams(plan, rollout, staged, body.counts, body.ranked)
+  units = owned_units(plan, rollout, 0)
+  row = {"diff": _best(device_stage, fresh_snapshot, repeats)}
+  encode = functools.partial(_one_part, plan, coding, changes, rollout, units)
+  read = lambda: read_parts(plan, [data], rollout)
+  row["host_encode"], row["host_decode"] = _best(encode, repeats=repeats), _best(read,
+                                                                                  repeats=repeats)
+  if coding.format == Format.PACKED:  # the device passes apart from the host's
+    counts = changes_of_units(plan, units, changes)
+    row["device_pack"] = _best(lambda: jax.block_until_ready(
+        [x.outputs for x in packed_units.launch(plan, coding.ranked, units, counts, changes)
+         if x is not None]), repeats=repeats)
+    row["device_unpack"] = _best(functools.partial(_unpack_units, plan, rollout, data),
+                                 repeats=repeats)
+    row["host_encode"] = max(0.0, row["host_encode"] - row["device_pack"])
+    row["host_decode"] = max(0.0, row["host_decode"] - row["device_unpack"])
+  inputs = sparse_inputs(plan, read())
   layouts = layouts_of(plan, rollout)
   device_apply = functools.partial(receiver_device_stage, plan, layouts, inputs)
   row["device_apply"] = _best(device_apply, lambda: (jax.tree.leaves(_copy(snapshot)),), repeats)
-  row["bytes_floor"] = bytes_floor(len(data), repeats)
   return row
-
-
-def packed_host_times(plan: jsparse.Plan, coding: Coding, changes: programs.DeviceChanges,
-                      rollout: list, data: bytes, repeats: int = 5) -> dict:
-  """Seconds of the packed coding's host stages (best of ``repeats``): the sender's copies of
-  the packed words from the device and their framing (``host_encode``, the packing done), the
-  receiver's checks of the framing and copy of the words onto its device (``host_decode``).
-  ``changes``: the sender's device stage for ``data``; ``rollout``: the receiver's leaves."""
-  packing = packed_stage.pack_chunks(plan, changes, False, coding.ranked)
-  head = Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), (), Format.PACKED)
-  encode = lambda: framing.frame(plan, head, packed_stage.collect_body(plan, packing, changes,
-                                                                        rollout))
-  decode = lambda: packed_stage.stage_streams(plan, rollout, _packed_body(plan, data))
-  return {"host_encode": _best(encode, repeats=repeats),
-          "host_decode": _best(decode, repeats=repeats)}
 
 
 def bytes_floor(size: int, repeats: int = 5) -> float:

@@ -173,10 +173,6 @@ def trainer(args: argparse.Namespace) -> dict:
   batches = rl_model.markov_batches(cfg, seed=1)  # the same batches in every process
   chain = jsparse.DeltaCheckpointManager(out / "chain", plan) if args.chain else None
   report = {"process": jax.process_index(), "versions": [], "coding": sender.coding.value}
-  try:  # a whole payload would need every process's shards: refused, nothing changes
-    sender.send(params)
-  except jsparse.ConfigError as e:
-    report["whole_send_refused"] = str(e) if sender.version == 0 else "state changed"
   for version in range(1, args.steps + 2):
     if version > 1:
       params, opt_state = train_step(params, opt_state, np.asarray(next(batches)))

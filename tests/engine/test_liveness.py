@@ -146,10 +146,10 @@ def test_a_refused_send_changes_nothing_not_even_the_next_kind(plan, states):
   refusals = [(jsparse.VersionError, lambda: sender.send(states[1], version=0)),
               (jsparse.VersionError, lambda: sender.payload(states[1], version=0)),
               (jsparse.PlanMismatchError, lambda: sender.send(other_tree)),
-              (jsparse.PlanMismatchError, lambda: sender.send_part(other_tree)),
+              (jsparse.PlanMismatchError, lambda: sender.send(other_tree)),
               (jsparse.PlanMismatchError, lambda: sender.send_stream(other_tree)),
               (jsparse.ConfigError, lambda: sender.send_stream(states[1], chunk_bytes=0))]
-  sends = [sender.send, lambda p: [sender.send_part(p)], lambda p: list(sender.send_stream(p))]
+  sends = [sender.send, lambda p: [sender.send(p)], lambda p: list(sender.send_stream(p))]
   for step, send in enumerate(sends, start=1):
     for error, refused in refusals:
       with pytest.raises(error):
@@ -229,10 +229,10 @@ def test_a_send_whose_coding_fails_after_the_diff_resyncs_with_an_anchor(plan, s
   with monkeypatch.context() as patch:
     patch.setattr(sender_module, "part_records", broken)
     with pytest.raises(RuntimeError):
-      sender.send_part(states[1])
+      sender.send(states[1])
   restored = jsparse.Sender.restore(plan, sender.state())  # its state is consistent
   assert restored.version == sender.version == 1
-  part = sender.send_part(states[2])
+  part = sender.send(states[2])
   assert sender.last_stats.anchor
   receiver.receive([part])
   assert_trees_bitwise_equal(receiver.params, plan.cast(states[2]))

@@ -64,13 +64,11 @@ def test_every_trainer_process_sends_its_own_part(jobs):
   anchor = [r["versions"][0]["anchor_bytes"] for r in trainer]
   assert all(0.4 * dense < a < 0.6 * dense for a in anchor), (anchor, dense)
   assert sum(anchor) < 1.01 * dense  # replicated leaves are sent once, not once per process
-  for r in trainer:
-    assert "send_part()" in r["whole_send_refused"]
 
 
 def test_parts_carry_a_realistic_update_compactly(jobs):
   trainer = jobs["trainer"]
-  # the whole send refused before version 1 changed nothing: no version is an anchor
+  # only the anchor published beside version 1: no version itself is an anchor
   assert not any(v["anchor"] for r in trainer for v in r["versions"])
   for version in range(2, 7):
     stats = trainer[0]["versions"][version - 1]

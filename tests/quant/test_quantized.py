@@ -399,7 +399,7 @@ def test_parts_and_streams_carry_quantized_leaves(coding):
   sender = jsparse.Sender(plan, place(tree), coding=coding)
   receiver = jsparse.Receiver(plan, plan.cast(place(tree)))
   new = rl_step(tree, 0)
-  assert_matches_qwix(receiver.receive([sender.send_part(place(new))]), new, how)
+  assert_matches_qwix(receiver.receive([sender.send(place(new))]), new, how)
   for new in (rl_step(new, 1), {k: -v for k, v in new.items()}):
     stream = receiver.open_stream()
     for part in sender.send_stream(place(new), chunk_bytes=2000):

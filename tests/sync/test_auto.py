@@ -137,7 +137,7 @@ def test_auto_chooses_on_parts_and_streams(run, path):
     receiver = jsparse.Receiver(plan, plan.cast(steps[0]))
     for params in steps[1:4]:
       if path == "part":
-        parts = [sender.send_part(params)]
+        parts = [sender.send(params)]
         receiver.receive(parts)
       else:
         stream, parts = receiver.open_stream(), []

@@ -42,7 +42,7 @@ def _sync(start, states, coding, *, capacity=None, max_capacity=None, path="payl
       data = sender.send(params)
       receiver.receive(data)
     else:
-      data = sender.send_part(params)
+      data = sender.send(params)
       receiver.receive([data])
     assert_trees_bitwise_equal(receiver.params, plan.cast(params))
     rows.append((len(data), sender.last_stats.overflowed_segments))

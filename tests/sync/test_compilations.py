@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jsparse
 from jsparse.testing import assert_trees_bitwise_equal
 from jsparse._src.sync import programs
-from jsparse._src.wire import framing
+from jsparse._src.wire.parts import read_index
 
 # Densities across the slot levels (capacity 5%: levels at 5, 3.5, 2.5, 1.8, 1.25, 0.88, 0.625%).
 DRIFT = (0.04, 0.02, 0.015, 0.01, 0.007, 0.005, 0.002, 0.03, 0.0005, 0.04)  # each level
@@ -119,7 +119,7 @@ def test_levels_compiled_in_the_background_then_serve(monkeypatch):
   data = sender.send(params)
   assert_trees_bitwise_equal(receiver.receive(data), plan.cast(params))
   assert _compiles() == before
-  wanted = programs.slots_needed(plan, [r.count for r in framing.decode(plan, data).segments])
+  wanted = programs.slots_needed(plan, [e.count for e in read_index(plan, data).entries])
   assert sorted(n for slots in sent for n in slots) == sorted(wanted)
   assert sorted(n for slots in applied for n in slots) == sorted(wanted)
   assert max(wanted) < max(seg.capacity for seg in plan.segments) // 4  # the last level
@@ -242,20 +242,12 @@ def _on_mesh8(tree: dict) -> dict:
           for k, v in tree.items()}
 
 
-def _send_whole(sender, params):
+def _send(sender, params):
   return sender.send(params)
 
 
-def _receive_whole(receiver, data):
+def _receive(receiver, data):
   return receiver.receive(data)
-
-
-def _send_part(sender, params):
-  return [sender.send_part(params)]
-
-
-def _receive(receiver, parts):
-  return receiver.receive(parts)
 
 
 def _send_stream(sender, params):
@@ -269,8 +261,7 @@ def _receive_stream(receiver, parts):
   return stream.commit()
 
 
-PATHS = {"whole": (_send_whole, _receive_whole), "parts": (_send_part, _receive),
-         "stream": (_send_stream, _receive_stream)}
+PATHS = {"send": (_send, _receive), "stream": (_send_stream, _receive_stream)}
 
 
 def _drift_run(send, receive, coding: str, placed, rows: int) -> list:
@@ -301,8 +292,8 @@ def _drift_run(send, receive, coding: str, placed, rows: int) -> list:
 
 @pytest.mark.parametrize("mesh", ["single", "mesh8"])
 def test_no_compile_after_the_first_sync_on_either_side_at_default_settings(mesh):
-  """At the default plan, for the default coding and ``packed``, through whole payloads, parts
-  and streams, each a run of its own: as the density drifts (1%, 4%, 12% with the matrices
+  """At the default plan, for ``ranked`` and ``packed``, through ``send`` (a version of one
+  part) and streams, each a run of its own: as the density drifts (1%, 4%, 12% with the matrices
   past their capacity, 0.05%, no change, 1%), neither side compiles in a sync after the first, without
   waiting for the background thread between steps (its compilations are the mechanism; every
   other thread's count). On one device, and with the matrices split over 8.

@@ -80,7 +80,7 @@ def test_the_whole_stack_is_exact_or_refuses_cleanly(seed, trainer_mesh, rollout
             for k, v in tree.items()}
     as_part = rng.random() < 0.4  # a whole payload, or the one part of a one-process job
     if as_part:
-      data = sender.send_part(on_trainer(tree))
+      data = sender.send(on_trainer(tree))
       receive = lambda receiver, d: receiver.receive([d])
     else:
       data = sender.send(on_trainer(tree))

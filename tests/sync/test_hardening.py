@@ -64,19 +64,18 @@ def test_receive_refuses_a_unit_covered_twice_before_decoding():
   plan, params, new = _setup()
   sender = jsparse.Sender(plan, params)
   receiver = jsparse.Receiver(plan, plan.cast(params))
-  (part,) = [sender.send_part(new)]
+  part = sender.send(new)
   with pytest.raises(jsparse.PayloadError, match="covered twice"):
     receiver.receive([_repeating(plan, part, 2)])
   assert_trees_bitwise_equal(receiver.receive([part]), plan.cast(new))
 
 
-@pytest.mark.parametrize("sent_as", ["payload", "parts"])
-def test_concurrent_deliveries_of_one_version_apply_it_once(sent_as):
+def test_concurrent_deliveries_of_one_version_apply_it_once():
   plan, params, new = _setup(leaves=2, size=4096)
   for trial in range(6):
     sender = jsparse.Sender(plan, params)
     receiver = jsparse.Receiver(plan, plan.cast(params), donate=True)
-    data = sender.send(new) if sent_as == "payload" else [sender.send_part(new)]
+    data = sender.send(new)
     deliver = receiver.receive
     outcomes, barrier = [], threading.Barrier(2)
 
@@ -99,9 +98,10 @@ def test_concurrent_deliveries_of_one_version_apply_it_once(sent_as):
 
 
 @pytest.mark.parametrize("parts, message", [
-    (None, "must be the bytes of a payload or of a part, a list of a version's parts"),
-    (7, "must be the bytes of a payload or of a part, a list of a version's parts"),
-    ("a str", "must be the bytes of a payload or of a part, a list of a version's parts"),
+    (None, "must be the bytes of a part .what Sender.send returns., a list of a version's parts"),
+    (7, "must be the bytes of a part .what Sender.send returns., a list of a version's parts"),
+    ("a str", "must be the bytes of a part .what Sender.send returns., a list of a version's "
+     "parts"),
     (["a str"], "part 0 must be bytes"),
     ([b"ok", None], "part 1 must be bytes"),
 ])
@@ -114,7 +114,9 @@ def test_receive_names_what_it_expects(parts, message):
     receiver.receive(parts)
 
 
-@pytest.mark.parametrize("data, message", [(b"JSPS", "truncated"), (b"a part", "truncated"),
+@pytest.mark.parametrize("data, message", [(b"JSPS", "whole payload .container 'JSPS'.*jsparse "
+                                                      "0.1 wrote.*send the version again"),
+                                           (b"a part", "truncated"),
                                            ([b"JSPP"], "truncated"), ([b"x"], "truncated"),
                                            ([], "no parts given")])
 def test_receive_refuses_bytes_that_are_no_payload_or_part(data, message):

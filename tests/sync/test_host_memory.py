@@ -11,9 +11,10 @@ import pytest
 
 import jsparse
 from jsparse._src.sync import programs
-from jsparse._src.wire import compact, framing
+from jsparse._src.wire import compact
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
+from tests.part_bytes import read_part
 
 
 def _synced_pair(monkeypatch, seed: int, coding: str = "ranked"):
@@ -57,12 +58,12 @@ def test_a_whole_send_holds_one_segments_changes_not_all(monkeypatch, coding):
   assert peak < 12 * changed, (peak, changed)
 
 
-def test_a_whole_receive_decodes_one_segment_at_a_time(monkeypatch):
-  """The host's peak is the decompressed streams and one segment's records, well under what
-  decoding every record (``framing.decode``) takes."""
+def test_a_receive_stages_each_unit_as_it_is_decoded(monkeypatch):
+  """The host's peak is the decompressed streams and a few units' records, well under what
+  decoding every record of the part takes."""
   plan, sender, receiver, new = _synced_pair(monkeypatch, 3)
   data = sender.send(new)
-  _, decode_peak = _peak(lambda: framing.decode(plan, data))
+  _, decode_peak = _peak(lambda: read_part(plan, data))
   out, receive_peak = _peak(lambda: receiver.receive(data))
   assert_trees_bitwise_equal(out, plan.cast(new))
   assert sender.last_stats.changed > 150_000

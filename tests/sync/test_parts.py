@@ -1,4 +1,4 @@
-"""Payload parts (``Sender.send_part`` / ``Receiver.receive``) in one process: exactness
+"""Payload parts (``Sender.send`` / ``Receiver.receive``) in one process: exactness
 across layouts, codings and overflow; refusals of missing, repeated, corrupt and mismatched
 parts; reading only the units a process needs. The multi-process jobs are in
 ``tests/multihost``."""
@@ -55,7 +55,7 @@ def test_parts_are_exact_across_layouts_codings_and_overflow(trainer, rollout, c
   rng = np.random.default_rng(2)
   for step, density in enumerate([0.02, 0.6, 0.01]):  # 0.6 overflows: dense units
     base = {k: strategies.perturb(rng, v, density) for k, v in base.items()}
-    part = sender.send_part(place(base, trainer), anchor=step == 2 and coding == "lists")
+    part = sender.send(place(base, trainer), anchor=step == 2 and coding == "lists")
     assert parts_wire.read_index(plan, part).header.format == jsparse.Coding(coding).format
     out = receiver.receive(split(plan, part, 3) if step else [part])
     assert_trees_bitwise_equal(out, plan.cast(base))
@@ -64,20 +64,15 @@ def test_parts_are_exact_across_layouts_codings_and_overflow(trainer, rollout, c
     assert receiver.last_read.bytes_read == receiver.last_read.bytes_total  # one process
 
 
-def test_a_part_is_about_the_size_of_the_whole_payload(tmp_path):
-  """The same update as one payload and as one part: the part pays a small index per unit."""
+def test_one_call_takes_every_form_of_a_version(tmp_path):
+  """A version of one part, as bytes, as an mmap of a file, in a list or a tuple."""
   base, plan, sender, _, _ = _setup("fsdp8", "single", capacity=0.1)
-  twin = jsparse.Sender(plan, place(base, "fsdp8"))
   rng = np.random.default_rng(3)
   new = {k: strategies.nudge_leaf(rng, v, 0.03) for k, v in base.items()}
-  whole, part = twin.send(place(new, "fsdp8")), sender.send_part(place(new, "fsdp8"))
-  units = len(parts_wire.read_index(plan, part).entries)
-  assert len(part) <= len(whole) + 80 * units, (len(part), len(whole), units)
-  # One call takes every form of a version: the payload, the part alone (bytes, or an mmap of
-  # a file), the parts in a list or a tuple.
+  part = sender.send(place(new, "fsdp8"))
   (tmp_path / "part").write_bytes(part)
   with open(tmp_path / "part", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-    for data in (whole, part, m, [part], (m,)):
+    for data in (part, m, [part], (m,)):
       receiver = jsparse.Receiver(plan, plan.cast(place(base, "single")))
       assert_trees_bitwise_equal(receiver.receive(data), plan.cast(new))
 
@@ -90,7 +85,7 @@ def test_parts_of_split_leaves_widened_past_their_capacity_are_sparse_and_exact(
   rng = np.random.default_rng(5)
   for step in range(3):
     new = {k: strategies.nudge_leaf(rng, v, 0.1) for k, v in base.items()}
-    part = sender.send_part(place(new, "fsdp8"))
+    part = sender.send(place(new, "fsdp8"))
     entries = parts_wire.read_index(plan, part).entries
     out = receiver.receive([part])
     assert_trees_bitwise_equal(out, plan.cast(new))
@@ -114,7 +109,7 @@ def test_incomplete_repeated_corrupt_or_mixed_parts_change_nothing():
   base, plan, sender, receiver, _ = _setup("fsdp8", "dp2xtp4")
   rng = np.random.default_rng(4)
   new = {k: strategies.perturb(rng, v, 0.05) for k, v in base.items()}
-  parts = split(plan, sender.send_part(place(new, "fsdp8")), 3)
+  parts = split(plan, sender.send(place(new, "fsdp8")), 3)
   _refused(receiver, parts[:2], match=r"missing \[2\].*nothing was applied; give every part of "
            "the version once")
   _refused(receiver, [parts[0], parts[1], parts[1]], match="repeated")
@@ -130,7 +125,7 @@ def test_incomplete_repeated_corrupt_or_mixed_parts_change_nothing():
   _refused(receiver, [parts[0], parts[1], parts[2][:-3]], match="truncated|accounts")
   later = {k: strategies.perturb(rng, v, 0.05) for k, v in new.items()}
   other = split(plan, jsparse.Sender(plan, place(new, "fsdp8"), version=1)
-                .send_part(place(later, "fsdp8")), 3)
+                .send(place(later, "fsdp8")), 3)
   _refused(receiver, [parts[0], other[1], parts[2]], match="another version.*give the parts of "
            "one version only")
   overlapping = split(plan, parts_wire.encode_part(
@@ -140,7 +135,7 @@ def test_incomplete_repeated_corrupt_or_mixed_parts_change_nothing():
   _refused(receiver, overlapping, match="cover")
   other_plan = jsparse.make_plan(place(new, "fsdp8"), rollout_dtype=jnp.bfloat16, capacity=0.2,
                                 bucket_size=256)
-  foreign = jsparse.Sender(other_plan, place(new, "fsdp8")).send_part(place(later, "fsdp8"))
+  foreign = jsparse.Sender(other_plan, place(new, "fsdp8")).send(place(later, "fsdp8"))
   _refused(receiver, [foreign], match="another plan")
   out = receiver.receive(parts)  # the good parts still apply
   assert_trees_bitwise_equal(out, plan.cast(new))
@@ -148,8 +143,8 @@ def test_incomplete_repeated_corrupt_or_mixed_parts_change_nothing():
 
 def test_parts_of_a_stale_base_are_refused():
   base, plan, sender, receiver, _ = _setup("fsdp2", "single")
-  first = sender.send_part(place(base, "fsdp2"))
-  second = sender.send_part(place(base, "fsdp2"))
+  first = sender.send(place(base, "fsdp2"))
+  second = sender.send(place(base, "fsdp2"))
   _refused(receiver, [second], jsparse.VersionError)
   receiver.receive([first])
   with pytest.raises(jsparse.VersionError):

@@ -1,7 +1,6 @@
 """The protocol, Sender -> bytes -> Receiver: exact for any update, overflow fallback, versions,
 anchors, catching up, refusals that leave no trace, the end-to-end digest, compilations."""
 
-import dataclasses
 import os
 
 import jax
@@ -11,11 +10,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jsparse
-from jsparse._src.wire import framing
+from jsparse._src.sync import sender as sender_module
 from jsparse._src.wire.payload import Kind, Mode, SegmentPayload
 from tests.helpers import compilations
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
+from tests.part_bytes import kind_of, modes_of, read_part, recoded
 
 
 def _pair(params, max_capacity=None, **plan_options):
@@ -89,7 +89,7 @@ def test_overflowed_segments_travel_densely_and_others_sparsely():
   plan, sender, receiver = _pair(params, 0.0, capacity=0.01, bucket_size=1000)  # static slots
   new = dict(params, w=strategies.perturb(rng, params["w"], 0.5))
   data = sender.send(new)
-  modes = [s.mode for s in framing.decode(plan, data).segments]
+  modes = modes_of(plan, data)
   w_segment = [i for i, s in enumerate(plan.segments) if s.size == 20000][0]
   assert modes[w_segment] == Mode.DENSE and modes.count(Mode.DENSE) == 1
   assert_trees_bitwise_equal(receiver.receive(data), new)
@@ -124,7 +124,7 @@ def test_anchor_every():
   params = {"w": jnp.zeros(5000)}
   plan = jsparse.make_plan(params)
   sender = jsparse.Sender(plan, params, anchor_every=3)
-  kinds = [framing.decode(plan, sender.send(params)).kind for _ in range(6)]
+  kinds = [kind_of(plan, sender.send(params)) for _ in range(6)]
   assert kinds == [Kind.DELTA, Kind.DELTA, Kind.ANCHOR] * 2
 
 
@@ -167,7 +167,7 @@ def test_refusals_say_what_to_do_next_on_the_receiving_side():
     stranger.receive(sender.send(params))
   _, sender, receiver = _pair(params)
   stream = receiver.open_stream()
-  stream.add(sender.send_part({"w": jnp.ones(5000)}))
+  stream.add(sender.send({"w": jnp.ones(5000)}))
   stream.commit()
   with pytest.raises(jsparse.VersionError, match=r"open a new one \(receiver.open_stream\(\)\)"):
     stream.commit()
@@ -202,7 +202,7 @@ def test_corrupted_truncated_or_foreign_bytes_change_nothing():
   foreign = jsparse.Sender(other_plan, params).send(params)
   flipped = bytearray(data)
   flipped[len(data) // 2] ^= 0x10
-  for bad, message in [(bytes(flipped), "checksum"), (data[:-7], "checksum"),
+  for bad, message in [(bytes(flipped), "checksum"), (data[:-7], "truncated"),
                        (data[:10], "truncated"), (b"", "truncated"), (b"x" * 100, "magic"),
                        (foreign, "another plan"), ("not bytes", "must be the bytes of")]:
     error = jsparse.ArgumentError if isinstance(bad, str) else jsparse.PayloadError
@@ -273,13 +273,12 @@ def test_decoded_but_wrong_payload_is_caught_end_to_end_and_applies_nothing():
   plan, tree = _mixed_plan(), _mixed_tree(0)
   sender = jsparse.Sender(plan, tree, coding="ranked")
   data = sender.send(strategies.nudge(np.random.default_rng(2), tree, 0.03))
-  payload = framing.decode(plan, data)
-  s = next(i for i, p in enumerate(payload.segments) if p.mode == Mode.BY_RANK)
-  bad_values = payload.segments[s].values.copy()
+  index, records = read_part(plan, data)
+  s = next(i for i, r in enumerate(records) if r.mode == Mode.BY_RANK)
+  bad_values = records[s].values.copy()
   bad_values[0] += 1  # one step more than the sender meant: structurally valid
-  segments = list(payload.segments)
-  segments[s] = SegmentPayload(Mode.BY_RANK, payload.segments[s].indices, bad_values)
-  bad = framing.encode(plan, dataclasses.replace(payload, segments=tuple(segments)))
+  records[s] = SegmentPayload(Mode.BY_RANK, records[s].indices, bad_values)
+  bad = recoded(plan, index, records)
   careful = jsparse.Receiver(plan, plan.cast(tree), donate=False)
   with pytest.raises(jsparse.IntegrityError, match="nothing was applied"):
     careful.receive(bad)
@@ -307,7 +306,7 @@ def test_lagging_receiver_catches_up_by_chain_or_anchor(coding):
   for _ in range(6):
     tree = strategies.nudge(rng, tree, 0.02)
     sent.append(sender.send(tree))
-    kinds.append(framing.decode(plan, sent[-1]).kind)
+    kinds.append(kind_of(plan, sent[-1]))
   assert kinds == [Kind.DELTA] * 4 + [Kind.ANCHOR, Kind.DELTA]  # version 5 is an anchor
   with pytest.raises(jsparse.VersionError):
     behind.receive(sent[2])  # missed versions 1 and 2
@@ -383,13 +382,10 @@ def test_a_replayed_older_anchor_is_refused_and_changes_nothing():
 
 @pytest.mark.parametrize("base_version, version", [(5, 5), (6, 5), (0, 2**64 - 1), (0, 2**63)])
 def test_forged_header_versions_are_refused(base_version, version):
-  import struct
-  import zlib
   params = {"w": jnp.zeros(100)}
   plan, sender, receiver = _pair(params)
-  data = bytearray(sender.send({"w": jnp.ones(100)})[:-4])
-  struct.pack_into("<QQ", data, 24, base_version, version)  # after magic, flags, fingerprint
-  forged = bytes(data) + struct.pack("<I", zlib.crc32(bytes(data)))
+  index, records = read_part(plan, sender.send({"w": jnp.ones(100)}))
+  forged = recoded(plan, index, records, base_version=base_version, version=version)
   with pytest.raises(jsparse.PayloadError, match="versions must increase"):
     receiver.receive(forged)
   assert receiver.version == 0
@@ -403,19 +399,19 @@ def test_a_sender_refuses_a_version_past_int64():
   assert sender.version == 2**63 - 1
 
 
-@pytest.mark.parametrize("stage", ["encode_records", "frame"])  # the body; the bytes around it
+@pytest.mark.parametrize("stage", ["part_records", "encode_part"])  # the records; their bytes
 def test_a_failed_encode_leaves_the_sender_on_an_anchor(monkeypatch, stage):
   params = {"w": jnp.zeros(100)}
   plan, sender, receiver = _pair(params)
 
   def broken(*args):
     raise RuntimeError("disk full")
-  monkeypatch.setattr(framing, stage, broken)
+  monkeypatch.setattr(sender_module, stage, broken)
   with pytest.raises(RuntimeError):
     sender.send({"w": jnp.ones(100)})
   monkeypatch.undo()
   data = sender.send({"w": jnp.full(100, 3.0)})
-  assert framing.decode(plan, data).kind == Kind.ANCHOR  # the receiver never saw the lost one
+  assert kind_of(plan, data) == Kind.ANCHOR  # the receiver never saw the lost one
   assert_trees_bitwise_equal(receiver.receive(data), {"w": jnp.full(100, 3.0)})
 
 

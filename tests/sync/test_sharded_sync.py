@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import jsparse
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
-from jsparse._src.wire import framing
+from jsparse._src.wire.parts import read_index
 from jsparse._src.wire.payload import Mode
 from tests.meshes import PAIRS, assert_layout, place, trees
 
@@ -51,10 +51,10 @@ def test_one_payload_stream_serves_rollouts_with_different_meshes():
   for _ in range(3):
     base = {k: strategies.nudge_leaf(rng, v, 0.05) for k, v in base.items()}
     data = sender.send(base)
-    assert framing.decode(plan, data).segments[0].mode == Mode.BY_RANK
+    assert read_index(plan, data).entries[0].mode == Mode.BY_RANK
     for receiver in receivers:
       assert_trees_bitwise_equal(receiver.receive(data), plan.cast(base))
-  assert len(data) / sender.last_stats.changed < 2.0
+  assert len(data) / sender.last_stats.changed < 2.2  # a small tree: ~95 B of index per unit
 
 
 MESH_SHAPES = [(8,), (1, 8), (8, 1), (2, 4), (4, 2), (1, 2, 4), (2, 1, 2, 2), (1, 1)]

@@ -1,6 +1,6 @@
-"""The wire formats: decoder robustness (fuzzed), hostile lengths, compactness, every dtype."""
+"""The wire formats: part decoding robustness (fuzzed), hostile lengths, compactness, every
+dtype."""
 
-import dataclasses
 import functools
 import struct
 import zlib
@@ -12,12 +12,14 @@ import zstandard
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jsparse
-from jsparse._src.wire import compact, framing
+from jsparse._src.wire import compact
+from jsparse._src.wire import parts as parts_wire
 from jsparse._src.wire import payload as payload_lib
 from jsparse._src.wire.reader import Reader
 from jsparse._src.wire.payload import Format, Mode
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
+from tests.part_bytes import read_part
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,45 +38,68 @@ def _samples():
   return plan, tree, payloads
 
 
-def _with_crc(body: bytes) -> bytes:
-  return body + struct.pack("<I", zlib.crc32(body))
+def _rebuilt(plan, data: bytes, bodies=None, entries=None) -> bytes:
+  """Part ``data`` with other unit ``bodies`` and table ``entries`` (``(segment, mode, count)``
+  per unit; default: its own), every checksum and length made valid again: what a buggy or
+  hostile sender could produce."""
+  index = parts_wire.read_index(plan, data)
+  old = [bytes(data[e.start:e.start + e.length]) for e in index.entries]
+  bodies = old if bodies is None else bodies
+  entries = [(e.unit.segment, e.mode, e.count) for e in index.entries] if entries is None \
+      else entries
+  table = b"".join(parts_wire.ENTRY.pack(seg, mode, count, len(body), zlib.crc32(body), 1)
+                   + parts_wire.RUN.pack(0, 1) for (seg, mode, count), body in zip(entries, bodies))
+  h = index.header
+  head = parts_wire.HEADER.pack(parts_wire.MAGIC, h.format, h.kind, int(h.ranked), plan.fingerprint,
+                                h.base_version, h.version, h.base_digest, h.new_digest, h.part,
+                                h.parts, len(entries), len(table))
+  return head + table + struct.pack("<I", zlib.crc32(head + table)) + b"".join(bodies)
 
 
 def _check_decodes_or_refuses(plan, data):
   try:
-    payload = framing.decode(plan, data)
+    index, records = read_part(plan, data)
   except jsparse.PayloadError as e:
     assert str(e)
     return None
-  for seg, part in zip(plan.segments, payload.segments):  # what decode promises
-    if part.mode == Mode.DENSE:
-      assert len(part.values) == seg.size
+  for entry, record in zip(index.entries, records):  # what reading a part promises
+    seg = plan.segments[entry.unit.segment]
+    if record.mode == Mode.DENSE:
+      assert len(record.values) == seg.size
       continue
-    assert len(part.indices) == len(part.values) <= seg.capacity
-    if len(part.indices):
-      assert part.indices[0] >= 0 and part.indices[-1] < seg.size
-      assert np.all(np.diff(part.indices) > 0)
-  return payload
+    assert len(record.indices) == len(record.values) <= seg.size
+    if len(record.indices):
+      assert record.indices[0] >= 0 and record.indices[-1] < seg.size
+      assert np.all(np.diff(record.indices) > 0)
+  return index
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.binary(max_size=600), st.booleans(), st.integers(0, 5))
-def test_fuzz_arbitrary_bytes_are_refused_cleanly(noise, valid_crc, which):
+def test_fuzz_arbitrary_bytes_are_refused_cleanly(noise, real_index, which):
   plan, _, payloads = _samples()
-  header = payloads[which][:framing.HEADER.size]  # sometimes a real header, to get past it
-  for data in (noise, header + noise):
-    _check_decodes_or_refuses(plan, _with_crc(data) if valid_crc else data)
+  data = payloads[which]
+  index = parts_wire.read_index(plan, data)
+  # sometimes a real header, or a real header and table, to get past them
+  head = data[:index.entries[0].start] if real_index and index.entries else \
+      data[:parts_wire.HEADER.size]
+  for candidate in (noise, head + noise):
+    _check_decodes_or_refuses(plan, candidate)
 
 
 @settings(max_examples=2500, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.integers(0, 5), st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 255),
-                                             st.sampled_from(["xor", "set", "cut", "insert"])),
-                                   min_size=1, max_size=4))
-def test_fuzz_mutated_payloads_with_a_valid_checksum(which, mutations):
-  """Mutations behind a recomputed checksum reach the structural checks: every outcome is a
-  PayloadError or a payload that keeps decode's promises."""
+@given(st.integers(0, 5), st.integers(0, 2**31),
+       st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 255),
+                          st.sampled_from(["xor", "set", "cut", "insert"])),
+                min_size=1, max_size=4))
+def test_fuzz_mutated_parts_with_valid_checksums(which, unit, mutations):
+  """Mutations of a unit's body behind recomputed checksums and lengths reach the structural
+  checks: every outcome is a PayloadError or records that keep reading's promises."""
   plan, _, payloads = _samples()
-  body = bytearray(payloads[which][:-4])
+  data = payloads[which]
+  index = parts_wire.read_index(plan, data)
+  bodies = [bytearray(data[e.start:e.start + e.length]) for e in index.entries]
+  body = bodies[unit % len(bodies)]
   for where, byte, kind in mutations:
     at = where % (len(body) + 1)
     if kind == "xor" and at < len(body):
@@ -85,21 +110,25 @@ def test_fuzz_mutated_payloads_with_a_valid_checksum(which, mutations):
       del body[at:]
     else:
       body[at:at] = bytes([byte]) * (1 + where % 7)
-  _check_decodes_or_refuses(plan, _with_crc(bytes(body)))
+  _check_decodes_or_refuses(plan, _rebuilt(plan, data, [bytes(b) for b in bodies]))
 
 
 def test_hostile_lengths_are_refused_before_decompressing():
   plan, _, payloads = _samples()
-  good = framing.decode(plan, payloads[3])
-  header = payloads[3][:framing.HEADER.size]
-  table = b"".join(struct.pack("<BI", Mode.EMPTY, 0) for _ in plan.segments)
+  data = payloads[3]  # ranked: compact bodies
+  index = parts_wire.read_index(plan, data)
+  assert index.header.format == Format.COMPACT
+  s, entry = next((k, e) for k, e in enumerate(index.entries) if e.mode == Mode.BY_RANK)
+  record = struct.pack("<BI", entry.mode, entry.count)
   bomb = zstandard.ZstdCompressor().compress(bytes(50_000_000))  # 50 MB of zeros, ~1.6 KB
   for streams in [struct.pack("<II", 2**32 - 1, 0),  # a huge raw length
                   struct.pack("<II", 0, 2**32 - 1),  # packed bytes that are not there
                   struct.pack("<II", 0, len(bomb)) + bomb]:
+    bodies = [bytes(data[e.start:e.start + e.length]) for e in index.entries]
+    bodies[s] = record + streams
     with pytest.raises(jsparse.PayloadError):
-      framing.decode(plan, _with_crc(header + table + streams))
-  assert good.format == Format.COMPACT
+      read_part(plan, _rebuilt(plan, data, bodies))
+  assert _rebuilt(plan, data) == data
 
 
 def test_compact_format_is_near_one_byte_per_change_on_an_rl_update():
@@ -193,19 +222,3 @@ def test_host_temporaries_of_format_2_stay_a_few_bytes_per_change():
   assert decoded.indices.tolist() == keys.tolist() and decoded.values.tolist() == codes.tolist()
   assert encode_peak < 8 * count and decode_peak < 12 * count, (encode_peak / count,
                                                                  decode_peak / count)
-
-
-@pytest.mark.parametrize("records", ["fewer", "more", "generator"])
-def test_encode_takes_one_record_per_segment_from_any_iterable(records):
-  """A sender's records come as a generator (each segment coded as it comes): the bytes are
-  those of the same records in a tuple, and a count other than the plan's is refused."""
-  plan, _, payloads = _samples()
-  payload = framing.decode(plan, payloads[0])
-  segments = {"fewer": payload.segments[:-1], "more": payload.segments + payload.segments[:1],
-              "generator": (record for record in payload.segments)}[records]
-  lazy = dataclasses.replace(payload, segments=segments)
-  if records == "generator":
-    assert framing.encode(plan, lazy) == framing.encode(plan, payload) == payloads[0]
-  else:
-    with pytest.raises(jsparse.PayloadError, match=f"the plan('s)? {len(plan.segments)}"):
-      framing.encode(plan, lazy)

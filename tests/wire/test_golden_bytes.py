@@ -1,12 +1,11 @@
-"""The payload bytes of a fixed update, pinned: a refactor of the code must not change the wire.
+"""The bytes a sender sends for a fixed update, pinned: a refactor of the code must not change
+the wire.
 
-Ranked, positioned and lists codings of a delta, an overflowing delta and an anchor over a tree
-with several dtypes, pooled leaves and special values, and a leaf the trainer splits (a delta
-and an overflow of its blocks). The bodies are those of the last commit before the redesign (686fd14, zstandard 0.25.0); the
-headers changed twice since, deliberately: the plan fingerprint no longer covers a rollout
-layout (the plan knows none), and the digests are bound to the versions (a forged version fails
-the end-to-end check). A deliberate change of the format updates these hashes and says
-why in its commit. The packed coding's bytes come from device programs: they are the same on
+Every coding's delta, overflowing delta and anchor over a tree with several dtypes, pooled
+leaves and special values, and a leaf the trainer splits (a delta and an overflow of its
+blocks), each a version of one part (``wire/parts.py``; zstandard 0.25.0). A deliberate change
+of the format updates these hashes and says why in its commit (the CHANGELOG names the wire
+changes). The packed coding's bytes come from device programs: they are the same on
 every backend (integer arithmetic only), so these pins hold on GPUs and TPUs too.
 """
 
@@ -22,33 +21,31 @@ from jsparse.testing import special_values
 from tests import strategies
 
 GOLDEN = {
-    "ranked/delta": ("6ebe52b343d7efaebd35d1d295e3807932090605e06eebb165905f7ae1b3184f", 2661),
-    "ranked/overflow": ("6db42ebf91c3c0deed4df4f74aedf7e9d9179d97b47aec7236973c661e1436d8", 120118),
-    "ranked/anchor": ("2d335b56bbe38a8717506879560a195165954b2364abc6cf181b1988a802c336", 133476),
-    "positioned/delta": ("b03dcd9e8224bf4debca673cca02d5f2d8e9d55b621914679e9024d6e895bde8", 2644),
-    "positioned/overflow": ("6db42ebf91c3c0deed4df4f74aedf7e9d9179d97b47aec7236973c661e1436d8",
-                             120118),
-    "positioned/anchor": ("2d335b56bbe38a8717506879560a195165954b2364abc6cf181b1988a802c336",
-                           133476),
-    "lists/delta": ("a55592f6aab1a8cd942890cbfd8f02f26ae44034250bc01c551d6519adb3db38", 7151),
-    "lists/overflow": ("15c2dd3777d59abe29dad2b6c1887cdab86726c168d6f9510a459867a509484f", 120094),
-    "lists/anchor": ("bfbf0e067ffec2db8ce0576272118c99b286e23e31cd7bedc87f1f3357ac2127", 133452),
-    "sharded/overflow": ("f656315c836193d165d967dadd5e3fe4ab2b810bc4172758b272208ac0f7f4d9",
-                         16477),
-    "sharded/delta": ("35b558e62b264864c234658ee35dffd3da44794c0656081fcbf59b327cc4355f", 831),
-    "packed-positioned/delta": ("6c16f77f9e70b26ce84a27e28c836a3639d01915396575300a1c6cc54a01c982",
-                                2950),
-    "packed/overflow": ("9d6abba2e3b5c9a088fd7d21089396a102f3cd153e10355adaa8eaecddddb990", 120094),
-    "packed/anchor": ("2f77ffd9f5c84d13540b2c552d52681eb4bc630549f7f153b4ccba01120501d9", 133452),
-    "packed/delta": ("99b7d7992b14f7ff7e1a80e69120fdd48692a41828a8f5474dae713cad439fd1",
-                            2950),
-    "packed-positioned/overflow": ("9d6abba2e3b5c9a088fd7d21089396a102f3cd153e10355adaa8eaecddddb990",
-                               120094),
-    "packed-positioned/anchor": ("2f77ffd9f5c84d13540b2c552d52681eb4bc630549f7f153b4ccba01120501d9",
-                             133452),
-    "sharded/packed-overflow": ("6da856e71ae986954256d9304a100eb806016d1364246d940e1c7b78bbab35fe",
-                                16453),
-    "sharded/packed": ("aaa503b0c15e15f2a9869d9eada76a7b7380c42048d4754486231ecd21373799", 1059),
+    "ranked/delta": ("c0a3450bd95b63a514933dbdb4f8586e897983e0134a969b2ed4c5585b5a777d", 3000),
+    "ranked/overflow": ("8b4cbddaed79b45c8f660e47f4305117bcb627b07b75c4cb68b20c94bb86b45d", 120267),
+    "ranked/anchor": ("0753541dab8dc55f23cf64109361812d922e41dc91146ce8126ecd2dd0839375", 133770),
+    "positioned/delta": ("def24bdf1c9f573e21d941b1ba1612facfdab3cfb556b2db8133185ad1443123", 3005),
+    "positioned/overflow": ("6f83ac04d7458acce16634a1bcdb5bdc8cb715070a4ca99edd8ac59c472df7c6",
+                            120267),
+    "positioned/anchor": ("0753541dab8dc55f23cf64109361812d922e41dc91146ce8126ecd2dd0839375",
+                          133770),
+    "lists/delta": ("3a07565ee0fab97f7f6e590e9a1ae6e083b9c0eae62b2412d773658ebad9b908", 7315),
+    "lists/overflow": ("8a041165548227fec805962069fb5bbd964cacf6e34e9011f881243283adae00", 120243),
+    "lists/anchor": ("777cc75aa4e044eec477fc0a2855b9ba90260ba25ba059dfb1c888c0c94c23e6", 133626),
+    "sharded/overflow": ("5dcf1c8b304d6f032ad5ae414a7693c6a914b49e5b67af1ba7fc32db3dbc67f3", 16516),
+    "sharded/delta": ("69aa2dc70ca9458df47b39bdb49929c6e53721d3a7a441881a5979523735d27b", 870),
+    "packed-positioned/delta": ("909f893fa710bdc1e7e57a23fb5059d2d083c904203f4ca88c67a457d507c0fb",
+                                3114),
+    "packed/overflow": ("0f04dcd199323e12ec785c9df7f7bb231a7da1002f279bc85b2ec283c73d9544", 120238),
+    "packed/anchor": ("e174299e63349f0de0b662fe000e01d98101f49ab7a10eff2fa9e0d98e542ac4", 133596),
+    "packed/delta": ("7f989bae3d8a06696d6d4cad23b098d3b3407d9463d495f5568a672bbca74969", 3122),
+    "packed-positioned/overflow": ("8e53be37b201f0e5a93cd3f0571dcc537d759c57d7d34b3e9bc54aea94305174",
+                                   120238),
+    "packed-positioned/anchor": ("e174299e63349f0de0b662fe000e01d98101f49ab7a10eff2fa9e0d98e542ac4",
+                                 133596),
+    "sharded/packed-overflow": ("fbdfc61c19998c916ea1f9d846fec573e52f1afcc8d98fb1d436e1c860bd3b4a",
+                                16487),
+    "sharded/packed": ("aef36997d11dfcc86199fde01e55d893bc5fc5f35d5fd034b41c501c54836374", 889),
 }
 
 

@@ -1,9 +1,7 @@
-"""The packed coding (format 3): bit packing on the device, exact syncs, hostile bodies refused,
+"""The packed coding (format 3): bit packing on the device, exact syncs, hostile parts refused,
 TPU-friendly programs, and its size against the compact format."""
 
 import re
-import struct
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +12,12 @@ from hypothesis import given, settings, strategies as st
 import jsparse
 from jsparse._src.core import bitpack
 from jsparse._src.core.chunks import chunks_of
-from jsparse._src.sync import auto, packed_stage, packed_units, programs
+from jsparse._src.sync import auto, packed_units, programs
 from jsparse._src.device import packing as device_codes
-from jsparse._src.wire import framing
+from jsparse._src.wire.packed import PackedRecord
 from jsparse.benchmarks.scale import layered_tree, rl_like_update
 from jsparse.testing import assert_trees_bitwise_equal, special_values
+from tests.part_bytes import read_part, recoded
 
 
 @st.composite
@@ -120,17 +119,6 @@ def test_packed_sync_is_bit_exact_on_64_bit_leaves():
     assert_trees_bitwise_equal(receiver.params, new)
 
 
-def _body_offset():
-  return framing.HEADER.size
-
-
-def _reframed(data: bytes, body: bytes) -> bytes:
-  """``data``'s header around another body, with a valid checksum: what a buggy or hostile
-  sender could produce."""
-  head = data[:_body_offset()]
-  return head + body + struct.pack("<I", zlib.crc32(head + body))
-
-
 @pytest.fixture(scope="module")
 def one_change():
   params = {"w": jnp.zeros(1000)}
@@ -148,35 +136,25 @@ def _refused(plan, params, data, match, error=jsparse.PayloadError):
   assert_trees_bitwise_equal(receiver.params, plan.cast(params))
 
 
-def test_corrupt_and_truncated_packed_payloads_are_refused(one_change):
+def test_corrupt_and_truncated_packed_parts_are_refused(one_change):
   plan, params, data = one_change
-  body = data[_body_offset():-4]
-  _refused(plan, params, data[:-9], "checksum|truncated")
+  _refused(plan, params, data[:-9], "truncated|accounts for")
   _refused(plan, params, data[:50] + bytes([data[50] ^ 1]) + data[51:], "checksum")
-  # Valid checksums around broken bodies: each is refused before anything is written.
-  table, keys_blocks = body[:5], body[5:9]
-  key_width = body[9]
-  _refused(plan, params, _reframed(data, body[:-1]), "truncated")
-  _refused(plan, params, _reframed(data, body + b"\0"), "unexpected bytes")
-  _refused(plan, params, _reframed(data, table + struct.pack("<I", 2) + body[9:]), "blocks")
-  _refused(plan, params, _reframed(data, body[:9] + bytes([33]) + body[10:]), "width 33")
-  wider = body[:9] + bytes([key_width + 20]) + body[10:]  # needs more words than sent
-  _refused(plan, params, _reframed(data, wider), "truncated|unexpected|blocks")
+  _refused(plan, params, data[:-1] + bytes([data[-1] ^ 1]), "body checksum")
+  # Valid checksums around broken streams: each is refused before anything is written.
+  index, (record,) = read_part(plan, data)
+  key_widths, key_words, code_widths, code_words = record.streams
+  streams = lambda *s: recoded(plan, index, [PackedRecord(record.mode, record.count, s)])
+  assert streams(*record.streams) == data
+  _refused(plan, params, streams(np.array([33], np.uint8), key_words, code_widths, code_words),
+           "width 33")
+  _refused(plan, params, streams(key_widths, key_words[:-1], code_widths, code_words),
+           "truncated|unexpected|blocks")
+  _refused(plan, params, streams(np.array([key_widths[0] + 20], np.uint8), key_words,
+                                 code_widths, code_words), "truncated|unexpected|blocks")
   # Well framed, but other keys: the end-to-end digest refuses what the device checks allow.
-  other = body[:9] + bytes([key_width + 1]) + body[10:]
-  _refused(plan, params, _reframed(data, other), "end-to-end", jsparse.IntegrityError)
-  assert keys_blocks == struct.pack("<I", 1)
-
-
-def test_keys_out_of_range_are_refused_on_the_device(one_change):
-  plan, params, data = one_change
-  body = bytearray(data[_body_offset():-4])
-  # The keys stream: block count, width, then the words of the two gaps (3 then 496).
-  width = body[9]
-  words = np.frombuffer(bytes(body[10:10 + 4 * ((2 * width + 31) // 32)]), "<u4").copy()
-  words[:] = 0xFFFFFFFF  # every gap at its widest: the second key lands past the leaf
-  body[10:10 + words.nbytes] = words.tobytes()
-  _refused(plan, params, _reframed(data, bytes(body)), "out of range")
+  other = streams(np.array([key_widths[0] + 1], np.uint8), key_words, code_widths, code_words)
+  _refused(plan, params, other, "end-to-end", jsparse.IntegrityError)
 
 
 def test_packed_programs_are_tpu_friendly():
@@ -240,8 +218,7 @@ def test_packed_bytes_stay_near_the_compact_format_on_an_rl_like_update():
   assert sizes["packed-positioned"] <= 1.6 * sizes["positioned"], sizes
 
 
-@pytest.mark.parametrize("coding", ["packed", "packed-positioned"])
-def test_the_prefix_sliced_on_the_device_gives_the_bytes_read_in_place(monkeypatch, coding):
+def test_the_prefix_sliced_on_the_device_gives_the_bytes_read_in_place(monkeypatch):
   """On an accelerator the sender copies each chunk's used prefix, sliced on the device; on CPU
   devices it reads the whole buffer in place. Both give the same payload, whole and in parts."""
   tree = layered_tree(8, 256)
@@ -249,10 +226,10 @@ def test_the_prefix_sliced_on_the_device_gives_the_bytes_read_in_place(monkeypat
   new = rl_like_update(tree, seed=2)
 
   def payloads():
-    sender = jsparse.Sender(plan, tree, coding=coding)
-    return sender.send(new), sender.send_part(rl_like_update(new, seed=3))
+    sender = jsparse.Sender(plan, tree, coding="packed")  # (the slicing knows no coding)
+    return sender.send(new), sender.send(rl_like_update(new, seed=3))
 
-  sliced, real = [], packed_stage._prefix
+  sliced, real = [], packed_units._prefix
 
   class Spy:  # the jitted slice, counted (its sizes still compile in the background)
     def __call__(self, x, size):
@@ -262,10 +239,10 @@ def test_the_prefix_sliced_on_the_device_gives_the_bytes_read_in_place(monkeypat
     def lower(self, *args):
       return real.lower(*args)
 
-  monkeypatch.setattr(packed_stage, "_prefix", Spy())
+  monkeypatch.setattr(packed_units, "_prefix", Spy())
   in_place = payloads()
   assert not sliced  # these tests run on CPU devices
-  monkeypatch.setattr(packed_stage, "in_host_memory", lambda x: False)
+  monkeypatch.setattr(packed_units, "in_host_memory", lambda x: False)
   assert payloads() == in_place  # the whole buffers, while the slices' sizes compile
   assert programs.wait_for_slot_levels(timeout=600)
   assert payloads() == in_place
@@ -303,44 +280,6 @@ def test_auto_measures_every_coding_on_its_tree_and_picks_the_fastest_over_the_l
     assert_trees_bitwise_equal(sender.snapshot, plan.cast(newer))
 
 
-def test_runs_of_a_split_leaf_must_stay_in_their_blocks():
-  """A payload whose second block's run repeats (or enters) the first block's positions is
-  refused on the device, also by a donating receiver, with nothing applied."""
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-  from jsparse._src.wire import packed
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
-  base = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
-  on_mesh = lambda x: {"w": jax.device_put(x, NamedSharding(mesh, P("fsdp")))}
-  plan = jsparse.make_plan(on_mesh(base), rollout_dtype=jnp.bfloat16, capacity=0.25)
-  new = base.copy()
-  for row, col in ((0, 5), (0, 7), (9, 3), (20, 0)):  # two in block 0, one in blocks 1, 2
-    new[row, col] += 1
-  data = jsparse.Sender(plan, on_mesh(base), coding="packed").send(on_mesh(new))
-  header, reader = framing.read_header(plan, data)
-  body = packed.decode_body(plan, header.kind, reader)
-  key_widths, key_words, code_widths, code_words = body.streams[0]
-  n = int(body.counts.sum())
-  gaps = np.asarray(bitpack.unpack(jnp.asarray(key_widths), jnp.asarray(key_words), n, n))
-  assert gaps[:2].tolist() == [5, 1]  # block 0's run: positions 5 and 7
-
-  def with_gaps(g):
-    widths, words, used = bitpack.pack(jnp.asarray(g.astype(np.uint32)), len(g))
-    streams = [(np.asarray(widths), np.asarray(words)[:int(used)], code_widths, code_words)]
-    return _reframed(data, packed.encode_body(plan, body.modes, body.counts,
-                                              {0: body.block_counts[0]}, streams, None))
-
-  assert with_gaps(gaps) == data
-  for first_of_second_run in (5, 6):  # a repeat of position 5; a position of block 0
-    forged = with_gaps(np.concatenate([gaps[:2], [first_of_second_run], gaps[3:]]))
-    for donate in (False, True):
-      receiver = jsparse.Receiver(plan, plan.cast(on_mesh(base)), donate=donate)
-      with pytest.raises(jsparse.PayloadError, match="out of range or out of order"):
-        receiver.receive(forged)
-      assert receiver.version == 0
-      assert_trees_bitwise_equal(jax.device_get(receiver.params),
-                                 jax.device_get(plan.cast(on_mesh(base))))
-
-
 @pytest.mark.parametrize("split", [True, False])
 def test_forged_packed_parts_are_refused_before_anything_is_applied(split):
   """A packed part's unit whose keys leave the unit, repeat, or whose codes are too wide, behind
@@ -357,7 +296,7 @@ def test_forged_packed_parts_are_refused_before_anything_is_applied(split):
   for row, col in ((0, 5), (0, 7), (9, 3), (20, 0), (63, 47)):
     new[row, col] += 1
   sender = jsparse.Sender(plan, on_mesh(base), coding="packed-positioned")
-  part = sender.send_part(on_mesh(new))
+  part = sender.send(on_mesh(new))
   index = parts_wire.read_index(plan, part)
   record = parts_wire.read_unit(plan, index, part, 0)
   assert isinstance(record, packed.PackedRecord) and record.count == 5

@@ -3,12 +3,13 @@ unpacked on the rollout's device; the hosts only move its words.
 
 A unit (``core/units.py``) is coded as a one-segment packed body in its own index space
 (``wire/packed.py``: :func:`~jsparse._src.wire.packed.encode_unit`): a whole segment by rank or
-position, as in a whole payload; the listed blocks of a leaf the trainer splits by their
+position; the listed blocks of a leaf the trainer splits by their
 positions in the unit, which ascend through the unit (blocks in order, each block's changes in
 order), so they are one run of gaps. Sender (:func:`unit_records`): every sparse unit's
 program is dispatched before the first is copied, so the device packs unit ``k + 1`` while the
 host copies unit ``k``; a split unit's blocks, on several devices of this process, meet on the
-first of them. Receiver (:func:`stage_unit`): the unit's streams go to the device its segment
+first of them; the host copies only the used prefix of a unit's words (:func:`used_streams`).
+Receiver (:func:`stage_unit`): the unit's streams go to the device its segment
 is staged on, are unpacked and checked there (one flag per unit, read before anything is
 applied), and their positions mapped back to the segment's on the device.
 
@@ -17,8 +18,8 @@ applied), and their positions mapped back to the segment's on the device.
 >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
 >>> sender = jsparse.Sender(plan, params, coding="packed")
 >>> receiver = jsparse.Receiver(plan, plan.cast(params))
->>> part = sender.send_part({'w': params['w'].at[3].set(1.0)})
->>> float(receiver.receive([part])['w'][3]), receiver.last_read.units_read
+>>> part = sender.send({'w': params['w'].at[3].set(1.0)})
+>>> float(receiver.receive(part)['w'][3]), receiver.last_read.units_read
 (1.0, 1)
 """
 
@@ -32,17 +33,104 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse._src.core import bitpack
 from jsparse._src.core.chunks import chunks_of, sub_plan
 from jsparse._src.core.plan import Plan
+from jsparse._src.errors import PayloadError
 from jsparse._src.core.units import (Unit, block_coords, block_slots, leaf_positions,
                                      split_geometry, unit_slot)
 from jsparse._src.sync import programs
-from jsparse._src.sync.packed_stage import check_fits, chunk_words, used_streams
 from jsparse._src.sync.programs import DeviceChanges
 from jsparse._src.sync.staging import StagedRecords
 from jsparse._src.device import packing as device_codes
 from jsparse._src.wire.packed import PackedRecord
 from jsparse._src.wire.payload import Mode, SegmentPayload
+
+
+def copy_size(n: int) -> int:
+  """The size a prefix of ``n`` elements is copied at: a power of two (at least 256), so that
+  few copy programs compile (one per doubling), at most twice the bytes.
+
+  >>> [copy_size(n) for n in (0, 5, 300, 1000, 1025)]
+  [256, 256, 512, 1024, 2048]
+  """
+  return max(256, 1 << max(0, n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _prefix(x: jax.Array, size: int) -> jax.Array:
+  return x[:size]
+
+
+def in_host_memory(x: jax.Array) -> bool:
+  """Whether ``x`` is in the host's memory (on CPU devices), where the host reads it in place:
+  there a copy of a prefix on the device would only add a copy."""
+  return all(d.platform == "cpu" for d in x.devices())
+
+
+def used_streams(outputs: tuple, keys: int, codes: int) -> tuple[np.ndarray, ...]:
+  """The used words of a ``pack_program``'s two streams, as four arrays on the host (key
+  widths, key words, code widths, code words); ``keys`` and ``codes``: how many it packed."""
+  return copied_streams([(outputs, keys, codes)])[0]
+
+
+def _streams_in(words: np.ndarray, at: tuple, keys: int, codes: int) -> tuple[np.ndarray, ...]:
+  """The four arrays of a chunk's streams, as views of its words (``at``:
+  ``device_codes.stream_offsets``; widths are bytes, least significant first in a word)."""
+  words = words.astype("<u4", copy=False)
+  widths = lambda start, n: words[start:].view(np.uint8)[:bitpack.num_blocks(n)]
+  return (widths(at[0], keys), words[at[1]:at[2]], widths(at[2], codes), words[at[3]:at[4]])
+
+
+def _used_prefix(words: jax.Array, used: int) -> jax.Array:
+  """The first :func:`copy_size` words of ``words`` holding its ``used`` ones, to copy: sliced
+  on the device at the smallest size compiled that holds them, else the whole buffer, while
+  the size they need compiles in the background (``programs.SlotLevels``): no sync compiles a
+  copy. On CPU devices, and at sizes past the buffer, the whole buffer (read in place)."""
+  size = copy_size(used)
+  if size >= words.shape[0] or in_host_memory(words):
+    return words
+  if jax.process_count() > 1:  # every process runs the same programs: compiled when needed
+    return _prefix(words, size)
+  family = ("prefix", programs.like(words))
+  compiled = [n for n in programs.SLOT_LEVELS.ready(family) if n >= size]
+  abstract = programs.like(words)
+  programs.SLOT_LEVELS.request(family, size, lambda: _prefix.lower(abstract, size).compile())
+  return _prefix(words, min(compiled)) if compiled else words
+
+
+def copied_streams(packed: Sequence[tuple]) -> list[tuple[np.ndarray, ...]]:
+  """:func:`used_streams` of several ``(outputs, keys, codes)`` at once: their used word
+  counts in one copy, then each buffer's used prefix (:func:`_used_prefix`) in one
+  ``device_get``, the copies in flight together; the four arrays are views of those words."""
+  used = jax.device_get([outputs[1] for outputs, _, _ in packed])
+  offsets, prefixes = [], []
+  for ((words, _), keys, codes), (key_words, code_words) in zip(packed, used):
+    at = device_codes.stream_offsets(keys, codes, int(key_words), int(code_words))
+    offsets.append((at, keys, codes))
+    prefixes.append(_used_prefix(words, at[-1]))
+  return [_streams_in(np.asarray(host), *where)
+          for host, where in zip(jax.device_get(prefixes), offsets)]
+
+
+def stream_words(streams: tuple) -> int:
+  """The words a chunk's (or unit's) streams fill, each array from a word."""
+  return sum(-(-np.asarray(a).nbytes // 4) for a in streams)
+
+
+def check_fits(streams: tuple, words: int, what: str) -> None:
+  """Raises :class:`PayloadError` unless ``streams`` fit in ``words`` words (what the
+  streams of the changes they state fill at most)."""
+  if stream_words(streams) > words:
+    raise PayloadError(f"{what} of a packed payload: streams longer than its {words} words")
+
+
+def chunk_words(plan: Plan, slots: Sequence[int]) -> int:
+  """The words of a chunk's streams buffer on a receiver (``plan``: the chunk's): what the
+  streams of any changes in ``slots`` fill, so that its shape follows the slot level only."""
+  return device_codes.packed_words(
+      sum(slots), sum(n * device_codes.values_per_change(seg)
+                      for n, seg in zip(slots, plan.segments)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -204,6 +292,14 @@ def _pack_requests(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool,
   return requests
 
 
+def launch(plan: Plan, ranked: bool, units: Sequence[Unit], counts: Sequence[np.ndarray | None],
+           changes: DeviceChanges) -> list:
+  """Dispatches the pack program of every unit of ``units`` with changes (``counts``, as
+  :func:`unit_records` takes them); per unit, what it packs (None: no change, or dense)."""
+  return [None if c is None else _launch(plan, unit, changes, ranked, c)
+          for unit, c in zip(units, counts)]
+
+
 def unit_records(plan: Plan, ranked: bool, units: Sequence[Unit],
                  counts: Sequence[np.ndarray | None], changes: DeviceChanges,
                  dense: Callable[[Unit], SegmentPayload]) -> list:
@@ -212,8 +308,7 @@ def unit_records(plan: Plan, ranked: bool, units: Sequence[Unit],
   unit with changes, ``dense(unit)`` for a unit that overflowed, an empty record for a unit
   without changes. ``ranked``: ordered segments by rank. The levels of the units' programs
   that a later step may run are compiled in the background (:func:`_pack_requests`)."""
-  launched = [None if c is None else _launch(plan, unit, changes, ranked, c)
-              for unit, c in zip(units, counts)]
+  launched = launch(plan, ranked, units, counts, changes)
   requests = [request for unit, c, out in zip(units, counts, launched) if c is not None
               for request in _pack_requests(plan, unit, changes, ranked, out is not None)]
   for request in requests:  # once this call's programs are dispatched

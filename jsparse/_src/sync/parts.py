@@ -10,7 +10,7 @@ writes the dense ones.
 >>> import jax.numpy as jnp, jsparse
 >>> params = {'w': jnp.zeros(1000)}
 >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
->>> part = jsparse.Sender(plan, params).send_part({'w': params['w'].at[3].set(1.0)})
+>>> part = jsparse.Sender(plan, params).send({'w': params['w'].at[3].set(1.0)})
 >>> read = read_parts(plan, [part], jax.tree.leaves(plan.cast(params)))
 >>> read.stats.units_read, read.header.version
 (1, 1)
@@ -19,6 +19,7 @@ writes the dense ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -32,7 +33,7 @@ from jsparse._src.core.units import (Unit, block_box, local_value, needs_unit, o
                                      to_unit_positions, unit_counts, unit_slot, write_regions)
 from jsparse._src.errors import ArgumentError, JsparseError, PayloadError
 from jsparse._src.sync import packed_units
-from jsparse._src.sync.programs import DeviceChanges
+from jsparse._src.sync.programs import DeviceChanges, ReceiverInputs
 from jsparse._src.sync.staging import StagedRecords
 from jsparse._src.threads import parallel_map
 from jsparse._src.wire.packed import PackedRecord
@@ -42,57 +43,69 @@ from jsparse._src.wire.payload import (Coding, Format, Kind, Mode, SegmentPayloa
 
 
 def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: DeviceChanges,
-                 snapshot: Sequence[jax.Array], full: bool) -> list[SegmentPayload]:
+                 snapshot: Sequence[jax.Array], full: bool) -> list:
   """The records of ``units`` (owned by this process), from a diff's device outputs and the new
   ``snapshot``: dense for an anchor or an overflowed block, else sparse in the unit's space
-  (for a packed ``coding``, packed on the device: ``packed_units.py``)."""
+  (for a packed ``coding``, packed on the device: ``packed_units.py``). A host-coded record is
+  given as the function that makes it (``wire.parts.encode_part`` calls it as it codes the
+  unit): the host holds the changes of the units being coded, not every change."""
   if full:
     return dense_records(plan, units, snapshot)
-  delta = changes.delta
-  counts = unit_counts(plan, units, delta.counts, delta.overflow, changes.block_counts,
-                       [x.shape[0] for x in delta.indices])
+  counts = changes_of_units(plan, units, changes)
   if coding.format == Format.PACKED:
     return packed_units.unit_records(plan, coding.ranked, units, counts, changes,
-                                     lambda unit: dense_records(plan, [unit], snapshot)[0])
-  records = []
-  for unit, unit_count in zip(units, counts):
-    s = unit.segment
-    seg = plan.segments[s]
-    if unit_count is None:
-      records.extend(dense_records(plan, [unit], snapshot))
-      continue
-    if seg.blocks == 1:
-      n = int(unit_count[0])
-      ranks = None if changes.ranks is None or changes.ranks[s] is None else \
-          local_value(changes.ranks[s])[:n]
-      records.append(sparse_record(
-          coding, seg, local_value(delta.indices[s])[:n], local_value(delta.values[s])[:n],
-          local_value(changes.old_values[s])[:n], ranks))
-      continue
-    per_block = delta.indices[s].shape[0] // seg.blocks  # (widened with the diff)
-    positions = owned_slots(delta.indices[s], per_block, unit.blocks)
-    used = positions < seg.size  # each block's changes ascend; blocks come in unit order
-    records.append(sparse_record(
-        coding, unit_slot(plan, unit), to_unit_positions(plan, unit, positions[used]).astype(
-            np.int32), owned_slots(delta.values[s], per_block, unit.blocks)[used],
-        owned_slots(changes.old_values[s], per_block, unit.blocks)[used], None))
-  return records
+                                     lambda unit: _dense_record(plan, unit, snapshot))
+  return [functools.partial(_dense_record, plan, unit, snapshot) if unit_count is None
+          else functools.partial(_sparse_record, plan, coding, unit, changes, unit_count)
+          for unit, unit_count in zip(units, counts)]
 
 
-def dense_records(plan: Plan, units: Sequence[Unit], snapshot: Sequence[jax.Array]
-                  ) -> list[SegmentPayload]:
-  """Every unit of ``units`` carried densely from ``snapshot`` (an anchor's records)."""
-  records = []
-  for unit in units:
-    seg = plan.segments[unit.segment]
-    if seg.blocks == 1:
-      values = segment_host_bits(plan, unit.segment, snapshot)
-    else:
-      leaf_id = seg.leaf_ids[0]
-      values = bits_lib.np_to_bits(
-          owned_block_data(plan.leaves[leaf_id].layout, snapshot[leaf_id], unit.blocks))
-    records.append(SegmentPayload(Mode.DENSE, None, values))
-  return records
+def _sparse_record(plan: Plan, coding: Coding, unit: Unit, changes: DeviceChanges,
+                   unit_count: np.ndarray) -> SegmentPayload:
+  """The sparse record of ``unit``, its changes (``unit_count`` per block) moved to the host."""
+  s, delta = unit.segment, changes.delta
+  seg = plan.segments[s]
+  if seg.blocks == 1:
+    n = int(unit_count[0])
+    ranks = None if changes.ranks is None or changes.ranks[s] is None else \
+        local_value(changes.ranks[s])[:n]
+    return sparse_record(coding, seg, local_value(delta.indices[s])[:n],
+                         local_value(delta.values[s])[:n], local_value(changes.old_values[s])[:n],
+                         ranks)
+  per_block = delta.indices[s].shape[0] // seg.blocks  # (widened with the diff)
+  positions = owned_slots(delta.indices[s], per_block, unit.blocks)
+  used = positions < seg.size  # each block's changes ascend; blocks come in unit order
+  return sparse_record(
+      coding, unit_slot(plan, unit), to_unit_positions(plan, unit, positions[used]).astype(
+          np.int32), owned_slots(delta.values[s], per_block, unit.blocks)[used],
+      owned_slots(changes.old_values[s], per_block, unit.blocks)[used], None)
+
+
+def changes_of_units(plan: Plan, units: Sequence[Unit], changes: DeviceChanges
+                     ) -> list[np.ndarray | None]:
+  """Per unit of ``units``, its changes per block in a diff's ``changes`` (None: it
+  overflowed, carried densely); see :func:`~jsparse._src.core.units.unit_counts`."""
+  delta = changes.delta
+  return unit_counts(plan, units, delta.counts, delta.overflow, changes.block_counts,
+                     [x.shape[0] for x in delta.indices])
+
+
+def dense_records(plan: Plan, units: Sequence[Unit], snapshot: Sequence[jax.Array]) -> list:
+  """Every unit of ``units`` carried densely from ``snapshot`` (an anchor's records), each as
+  the function that makes it when its unit is coded (see :func:`part_records`)."""
+  return [functools.partial(_dense_record, plan, unit, snapshot) for unit in units]
+
+
+def _dense_record(plan: Plan, unit: Unit, snapshot: Sequence[jax.Array]) -> SegmentPayload:
+  """``unit`` carried densely from ``snapshot``."""
+  seg = plan.segments[unit.segment]
+  if seg.blocks == 1:
+    values = segment_host_bits(plan, unit.segment, snapshot)
+  else:
+    leaf_id = seg.leaf_ids[0]
+    values = bits_lib.np_to_bits(
+        owned_block_data(plan.leaves[leaf_id].layout, snapshot[leaf_id], unit.blocks))
+  return SegmentPayload(Mode.DENSE, None, values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +146,17 @@ class PartsRead:
   sparse_counts: np.ndarray
   any_sparse: bool
   stats: ReadStats
+
+
+def sparse_inputs(plan: Plan, read: PartsRead) -> ReceiverInputs | None:
+  """The device inputs of the sparse records of a version ``read`` (None: it has none), for
+  ``programs.apply_inputs``."""
+  if not read.any_sparse:
+    return None
+  return read.staged.inputs(
+      ranked=tuple(seg.ordered and read.header.ranked for seg in plan.segments),
+      coded=read.header.format.coded, slot_counts=read.sparse_counts,
+      dense=dense_segments(plan, read))
 
 
 def dense_segments(plan: Plan, read: PartsRead) -> tuple[bool, ...]:

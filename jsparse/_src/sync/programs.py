@@ -96,8 +96,8 @@ class ReceiverInputs(NamedTuple):
       chunk ``chunk`` (its index in ``chunks_of``) for its segments' ``slots`` (run on the
       background thread of :class:`SlotLevels`), or None.
     staging: which stage made them (``"records"``: ``staging.py`` from the host; ``"units"``:
-      ``staging.py`` from the units of packed parts, unpacked on the device; ``"packed"``:
-      ``packed_stage.py``): their programs are compiled for each.
+      ``staging.py`` from the units of packed parts, unpacked on the device): their programs
+      are compiled for each.
     dense: per segment, whether the delta carried it densely (its sender may widen next);
       empty: none, or unknown.
   """

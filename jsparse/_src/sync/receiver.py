@@ -1,7 +1,8 @@
 """The rollout side of a sync: :class:`Receiver` applies payloads to its params.
 
-``receive`` checks the payload's checksum and header and its base (versions, digest), then
-decodes and validates it a segment at a time (``framing.decode_lazily``), staging each sparse
+``receive`` takes a version's parts (one, from a one-process trainer): it checks every part's
+index (checksum, plan, versions, which units it covers) and the version's base (versions,
+digest), then decodes the unit bodies this process holds (``parts.py``), staging each sparse
 record on the device as it is decoded (``staging.py``) and keeping the dense ones; once all
 are in, it writes the dense records, applies the sparse ones in one device stage
 (``programs.apply_inputs``, in place when donated), and verifies the digest of the result
@@ -34,13 +35,11 @@ from jsparse._src.errors import (ArgumentError, IntegrityError, JsparseError, Pa
 from jsparse._src.options import typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync import parts as parts_lib
-from jsparse._src.sync import packed_stage, programs, staging
+from jsparse._src.sync import programs, staging
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, digest_words, state_run,
                                      versioned_digest)
-from jsparse._src.wire import framing, packed
-from jsparse._src.wire import parts as parts_wire
-from jsparse._src.wire.payload import (Format, Kind, Mode, Payload, SegmentPayload,
+from jsparse._src.wire.payload import (Kind, Mode, Payload, SegmentPayload,
                                        ranked_segments)
 
 
@@ -157,10 +156,10 @@ class Receiver:
   def receive(self, data: "bytes | Sequence | Payload") -> PyTree:
     """Applies one version and returns the new params.
 
-    ``data`` is what the sender sent of the version, in any of its forms: the bytes of a
-    payload (:meth:`Sender.send`) or of a part (:meth:`Sender.send_part` of a one-process
-    trainer), a list or tuple of every part of the version (one per trainer process), or a
-    decoded :class:`~jsparse.Payload` (:meth:`Sender.payload`). A part may be ``bytes`` or
+    ``data`` is what the sender sent of the version, in any of its forms: the bytes of
+    :meth:`Sender.send` of a one-process trainer (a version of one part), a list or tuple of
+    every part of the version (one per trainer process, or a :meth:`Sender.send_stream`'s),
+    or a decoded :class:`~jsparse.Payload` (:meth:`Sender.payload`). A part may be ``bytes`` or
     anything with ``len`` and slicing (e.g. an ``mmap`` of a file): of each part this reads
     its index, then only the units that overlap the blocks this process holds
     (:attr:`last_read` says how many). Parts are applied only when every part is present
@@ -180,8 +179,8 @@ class Receiver:
     >>> plan = jsparse.make_plan({'w': jnp.zeros(8)}, rollout_dtype=jnp.bfloat16)
     >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(8)})
     >>> receiver = jsparse.Receiver(plan, {'w': jnp.zeros(8, jnp.bfloat16)})
-    >>> _ = receiver.receive([sender.send_part({'w': jnp.ones(8)})])  # a version's parts
-    >>> _ = receiver.receive(sender.send({'w': jnp.full(8, 2.0)}))  # a whole payload
+    >>> _ = receiver.receive(sender.send({'w': jnp.ones(8)}))  # a version of one part
+    >>> _ = receiver.receive(list(sender.send_stream({'w': jnp.full(8, 2.0)})))  # its parts
     >>> receiver.version, float(receiver.params['w'][0])
     (2, 2.0)
     """
@@ -189,28 +188,12 @@ class Receiver:
       return self._apply_records(data, data.segments)
     if not hasattr(data, "__getitem__") or not hasattr(data, "__len__") or \
         isinstance(data, str):
-      raise ArgumentError("jsparse: data must be the bytes of a payload or of a part, a list "
-                          f"of a version's parts, or a decoded Payload; got "
+      raise ArgumentError("jsparse: data must be the bytes of a part (what Sender.send "
+                          "returns), a list of a version's parts, or a decoded Payload; got "
                           f"{type(data).__name__}")
     if not _bytes_like(data):  # a sequence of parts
       return self._apply_parts(data)
-    if bytes(data[:len(parts_wire.MAGIC)]) == parts_wire.MAGIC:  # a version of one part
-      return self._apply_parts([data])
-    header, reader = framing.read_header(self.plan, data)
-    if header.format == Format.PACKED:
-      return self._apply_packed(header, packed.decode_body(self.plan, header.kind, reader))
-    return self._apply_records(header, framing.checked_records(self.plan, header, reader))
-
-  @mesh_neutral
-  def _apply_packed(self, header: Payload, body: packed.PackedBody) -> PyTree:
-    """Applies a format-3 payload whose framing is checked: its changes are unpacked and
-    checked on the devices (``packed_stage.py``) before anything is written."""
-    with self._lock:
-      self._check_base(header)
-      flat = self._write_dense(body.dense)
-      inputs = None if not body.counts.any() else packed_stage.receiver_inputs(
-          self.plan, flat, body)._replace(dense=staging.dense_in_delta(header, body.modes))
-      return self._apply_and_commit(header, flat, inputs)
+    return self._apply_parts([data])  # a version of one part
 
   @mesh_neutral
   def _apply_records(self, header: Payload, records: Iterable[SegmentPayload]) -> PyTree:
@@ -292,11 +275,7 @@ class Receiver:
     parts_lib.agree(error, self._flat)
     self.last_read = read.stats
     flat = parts_lib.write_dense_units(self.plan, self._flat, read)
-    inputs = None if not read.any_sparse else read.staged.inputs(
-        ranked=tuple(seg.ordered and read.header.ranked for seg in self.plan.segments),
-        coded=read.header.format.coded, slot_counts=read.sparse_counts,
-        dense=parts_lib.dense_segments(self.plan, read))
-    return self._apply_and_commit(read.header, flat, inputs)
+    return self._apply_and_commit(read.header, flat, parts_lib.sparse_inputs(self.plan, read))
 
   def _check_base(self, payload: Payload) -> None:
     """Refuses a payload for another base version or state."""

@@ -4,9 +4,9 @@ The sender keeps the last synced state in rollout dtypes. Each ``send`` runs two
 
 1. device (``programs.sender_changes``): diff the new params against the snapshot in one jitted
    program, which also produces the next snapshot and its digest, then rank the changes;
-2. host (``payload.segment_records``, ``framing.encode``): move the diff to the host a segment
-   at a time, each as its record is coded (the host holds the coded streams and one
-   segment's changes, never every change), carry overflowed segments densely, serialize.
+2. host (``parts.part_records``, ``wire/parts.py``): code the changes of the units this process
+   sends (a whole segment, or the blocks of a split one) into a part, overflowed units densely;
+   a version of one process is one part.
 
 >>> import jax.numpy as jnp, jsparse
 >>> params = {'w': jnp.zeros((1000,), jnp.float32)}
@@ -47,8 +47,6 @@ from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (RUN_BYTES, SyncState, check_digest, check_state,
                                      check_version, digest_bytes, digest_words, state_run,
                                      versioned_digest)
-from jsparse._src.wire import framing
-from jsparse._src.sync.packed_stage import packed_body
 from jsparse._src.sync.receiver import Receiver
 from jsparse._src.wire.payload import (Coding, Format, Kind, Payload, segment_host_bits,
                                        segment_records)
@@ -161,7 +159,7 @@ class Sender:
   >>> sender = jsparse.Sender(plan, params, coding="lists", anchor_every=10)
   >>> _ = sender.send({'w': params['w'].at[:5].set(1.0)})
   >>> sender.last_stats.changed, sender.last_stats.payload_bytes
-  (5, 93)
+  (5, 132)
   """
 
   @mesh_neutral
@@ -253,7 +251,13 @@ class Sender:
 
   @mesh_neutral
   def send(self, params: PyTree, *, anchor: bool = False, version: int | None = None) -> bytes:
-    """Returns the bytes that bring a receiver from the current version to the next.
+    """Returns the bytes that bring a receiver from the current version to the next: a version
+    of one part (:meth:`Receiver.receive` takes them). In a multi-controller trainer (one
+    process per host, params spanning them) every process calls it with the same arguments
+    and gets its own part, coded from the blocks it holds (a leaf held whole by several
+    processes is sent by one of them); the parts of all processes together are the version,
+    and a receiver takes them as a list. To ship a large version as it is coded, a few parts
+    per process, use :meth:`send_stream`.
 
     Args:
       params: the new params (trainer or rollout dtypes, the plan's structure and shapes).
@@ -264,14 +268,23 @@ class Sender:
     Raises:
       PlanMismatchError: ``params`` do not match the plan (the leaf is named).
       VersionError: ``version`` is not newer than the sender's.
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> plan = jsparse.make_plan({'w': jnp.zeros(100)}, rollout_dtype=jnp.bfloat16)
+    >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(100)})
+    >>> data = sender.send({'w': jnp.zeros(100).at[5].set(1.0)})
+    >>> receiver = jsparse.Receiver(plan, {'w': jnp.zeros(100, jnp.bfloat16)})
+    >>> float(receiver.receive(data)['w'][5]), sender.last_stats.payload_bytes == len(data)
+    (1.0, True)
     """
-    self._check_single_process()
+    def mine(changes: programs.DeviceChanges, snapshot: list, anchor: bool) -> list:
+      return part_records(self.plan, self._step_coding.parts, self._units, changes, snapshot,
+                          anchor)
+
     with self._anchor_next_if_moved():
-      head, (coding, body) = self._step(params, anchor, version, self._whole_body, choose=True)
-      data = framing.frame(self.plan, Payload(head.kind, head.base_version, head.version,
-                                              head.base_digest, head.new_digest, (),
-                                              coding.format), body)
-    self._finish(len(data), coding)
+      head, records = self._step(params, anchor, version, mine, choose=True)
+      data = self._encode_part(head, records)
+    self._finish(len(data), self._step_coding.parts)
     return data
 
   def _finish(self, payload_bytes: int | None, coding: Coding) -> None:
@@ -288,15 +301,6 @@ class Sender:
       if payload_bytes is not None:
         self._auto.observe(coding, update, payload_bytes)
       self._last_update = update
-
-  def _whole_body(self, changes: programs.DeviceChanges, snapshot: list, anchor: bool
-                  ) -> tuple[Coding, bytes | list]:
-    """The coding of this version and its payload body (bytes, or buffers to join)."""
-    coding = self._step_coding
-    if coding.format == Format.PACKED:
-      return coding, packed_body(self.plan, changes, snapshot, anchor, coding.ranked)
-    return coding, framing.encode_records(self.plan, coding.format,
-                                          self._records(coding, changes, snapshot, anchor))
 
   def _coding_for(self, anchor: bool, flat: list) -> Coding:
     """The sender's coding, or for ``"auto"`` its policy's choice (``sync/auto.py``), which
@@ -324,10 +328,10 @@ class Sender:
                            full=anchor)
 
   def _check_single_process(self) -> None:
-    """Refuses a whole payload of params that span several processes."""
+    """Refuses decoded records of params that span several processes."""
     if not all(x.is_fully_addressable for x in self._snapshot):
       raise ConfigError("the params span several processes: in a multi-controller job every "
-                        "process calls send_part() and ships its own part")
+                        "process calls send() and ships its own part")
 
   @mesh_neutral
   def payload(self, params: PyTree, *, anchor: bool = False,
@@ -364,32 +368,6 @@ class Sender:
     head, segments = self._step(params, anchor, version, whole)
     return Payload(head.kind, head.base_version, head.version, head.base_digest,
                    head.new_digest, segments, self.coding.records.format)
-
-  def send_part(self, params: PyTree, *, anchor: bool = False, version: int | None = None) -> bytes:
-    """This process's part of the payload to the next version: in a multi-controller trainer
-    (one process per host, params spanning them) every process calls it with the same
-    arguments, and the parts of all processes together bring a rollout to the next version
-    (:meth:`Receiver.receive`). Each process codes only the blocks it holds; a leaf held
-    whole by several processes is sent by one of them. In a single process the one part is
-    the whole update. Arguments and errors as :meth:`send`.
-
-    >>> import jax.numpy as jnp, jsparse
-    >>> plan = jsparse.make_plan({'w': jnp.zeros(100)}, rollout_dtype=jnp.bfloat16)
-    >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(100)})
-    >>> part = sender.send_part({'w': jnp.zeros(100).at[5].set(1.0)})
-    >>> receiver = jsparse.Receiver(plan, {'w': jnp.zeros(100, jnp.bfloat16)})
-    >>> float(receiver.receive([part])['w'][5])
-    1.0
-    """
-    def mine(changes: programs.DeviceChanges, snapshot: list, anchor: bool) -> list:
-      return part_records(self.plan, self._step_coding.parts, self._units, changes, snapshot,
-                          anchor)
-
-    with self._anchor_next_if_moved():
-      head, records = self._step(params, anchor, version, mine, choose=True)
-      data = self._encode_part(head, records)
-    self._finish(len(data), self._step_coding.parts)
-    return data
 
   def send_stream(self, params: PyTree, *, anchor: bool = False, version: int | None = None,
                   chunk_bytes: int = 64 << 20) -> PartStream:
@@ -506,7 +484,7 @@ class Sender:
   def anchor_part(self) -> bytes:
     """This process's part of an anchor of the *current* version (the snapshot, every unit
     dense), without moving to a new version: what a publisher offers next to a delta, for
-    rollouts that fell behind or lost their state. Every process calls it, as ``send_part``.
+    rollouts that fell behind or lost their state. Every process calls it, as ``send``.
 
     Raises:
       VersionError: at version 0 (an anchor must be newer than what a receiver can hold).

@@ -38,7 +38,7 @@ from jsparse._src.core.plan import Plan, Segment
 from jsparse._src.core.chunks import chunks_of
 from jsparse._src.sync import programs
 from jsparse._src.sync.programs import ReceiverInputs
-from jsparse._src.wire.payload import Kind, Mode, Payload, SegmentPayload, ranked_segments
+from jsparse._src.wire.payload import Kind, Mode, Payload, SegmentPayload
 
 MAX_BLOCK = 1 << 16  # changes per staged block: bounds the host's padding and the scatter
 
@@ -278,9 +278,9 @@ class StagedRecords:
 
 def stage_records(plan: Plan, flat: Sequence[jax.Array], records: Iterable[SegmentPayload]
                   ) -> tuple[StagedRecords, dict[int, np.ndarray], tuple[Mode, ...]]:
-  """A whole payload's records for a receiver holding ``flat``, taken one at a time (e.g. as
-  ``framing.decode_lazily`` decodes them): the sparse ones staged, the dense ones returned by
-  segment, and every record's mode."""
+  """A decoded payload's records (one per segment) for a receiver holding ``flat``, taken one
+  at a time: the sparse ones staged, the dense ones returned by segment, and every record's
+  mode."""
   staged = StagedRecords(plan, flat)
   dense, modes = {}, []
   for s, record in enumerate(records):
@@ -290,15 +290,6 @@ def stage_records(plan: Plan, flat: Sequence[jax.Array], records: Iterable[Segme
     elif record.mode != Mode.EMPTY and record.count:
       staged.add(s, record.indices, record.values)
   return staged, dense, tuple(modes)
-
-
-def receiver_inputs(plan: Plan, flat: Sequence[jax.Array], header: Payload,
-                    records: Iterable[SegmentPayload]) -> ReceiverInputs:
-  """The :class:`~programs.ReceiverInputs` of a payload's sparse records (``header`` and
-  ``records`` as ``framing.decode_lazily`` gives them) for a receiver holding ``flat``."""
-  staged, _, modes = stage_records(plan, flat, records)
-  return staged.inputs(ranked=ranked_segments(plan, modes),
-                       coded=header.format.coded, dense=dense_in_delta(header, modes))
 
 
 def dense_in_delta(header: Payload, modes: Sequence[Mode]) -> tuple[bool, ...]:

@@ -44,6 +44,11 @@ from jsparse._src.wire.payload import (FORMAT_MODES, MAX_VERSION, Format, Kind, 
 from jsparse._src.wire.reader import Reader
 
 MAGIC = b"JSPP"
+# Containers this jsparse no longer reads, and what to do with one.
+RETIRED = {b"JSPS": "this is a whole payload (container 'JSPS', payload formats 1-3), which "
+                    "jsparse 0.1 wrote; this jsparse reads parts (container 'JSPP') only, a "
+                    "whole payload being a version of one part: have a sender of this jsparse "
+                    "send the version again (or an anchor)"}
 HEADER = struct.Struct("<4sBBH16sQQ8s8sIIII")
 ENTRY = struct.Struct("<IBIIIH")
 RUN = struct.Struct("<II")
@@ -96,22 +101,26 @@ class PartIndex:
 
 
 def encode_part(plan: Plan, header: PartHeader, units: Sequence[Unit],
-                records: Sequence[SegmentPayload], threads: int | None = None) -> bytes:
-  """The bytes of one part: ``records[i]`` is unit ``units[i]``'s record in its index space
-  (units coded on ``threads`` threads, default ``JSPARSE_THREADS``)."""
-  def body_of(unit_record: tuple) -> bytes:
+                records: Sequence, threads: int | None = None) -> bytes:
+  """The bytes of one part: ``records[i]`` is unit ``units[i]``'s record in its index space,
+  or a function that makes it, called when the unit is coded (so that only the units being
+  coded hold their records on the host). Units are coded on ``threads`` threads (default
+  ``JSPARSE_THREADS``)."""
+  def body_of(unit_record: tuple) -> tuple[Mode, int, bytes]:
     unit, record = unit_record
-    if record.mode != Mode.DENSE and not record.count:
-      return b""
-    if header.format == Format.PACKED:
-      return packed.encode_unit(record)
-    return _BODIES[header.format].encode_body(unit_slots(plan, unit), [record])
-
-  bodies = parallel_map(body_of, zip(units, records), threads)  # zstd, NumPy release the GIL
-  table = []
-  for unit, record, body in zip(units, records, bodies):
+    record = record() if callable(record) else record
     mode = record.mode if record.mode == Mode.DENSE or record.count else Mode.EMPTY
     count = len(record.values) if mode == Mode.DENSE else record.count
+    if mode == Mode.EMPTY:
+      return mode, count, b""
+    if header.format == Format.PACKED:
+      return mode, count, packed.encode_unit(record)
+    return mode, count, _BODIES[header.format].encode_body(unit_slots(plan, unit), [record])
+
+  coded = parallel_map(body_of, zip(units, records), threads)  # zstd, NumPy release the GIL
+  bodies = [body for _, _, body in coded]
+  table = []
+  for unit, (mode, count, body) in zip(units, coded):
     runs = _runs(unit.blocks)
     table.append(ENTRY.pack(unit.segment, mode, count, len(body), zlib.crc32(body), len(runs))
                  + b"".join(RUN.pack(*run) for run in runs))
@@ -146,11 +155,13 @@ def read_index(plan: Plan, data) -> PartIndex:
   Raises:
     PayloadError: bad magic, plan, checksum, versions or table (units out of the plan).
   """
+  if bytes(data[:len(MAGIC)]) in RETIRED:
+    raise PayloadError(RETIRED[bytes(data[:len(MAGIC)])])
   head = _slice(data, 0, HEADER.size, "the header")
+  if head[:len(MAGIC)] != MAGIC:
+    raise PayloadError("not a jsparse payload part (bad magic)")
   (magic, fmt, kind, flags, fingerprint, base_version, version, base_digest, new_digest, part,
    parts, num_units, table_len) = HEADER.unpack(head)
-  if magic != MAGIC:
-    raise PayloadError("not a jsparse payload part (bad magic)")
   table_end = HEADER.size + table_len
   table = _slice(data, HEADER.size, table_end, "the unit table")
   (crc,) = _CRC.unpack(_slice(data, table_end, table_end + _CRC.size, "the table checksum"))
@@ -185,7 +196,8 @@ def read_index(plan: Plan, data) -> PartIndex:
   if reader.remaining:
     raise PayloadError(f"{reader.remaining} unexpected bytes in the unit table")
   if start != len(data):
-    raise PayloadError(f"part is {len(data)} bytes, its table accounts for {start}")
+    raise PayloadError(f"part truncated or extended: it is {len(data)} bytes, its table accounts "
+                       f"for {start}")
   return PartIndex(header, tuple(entries), len(data))
 
 
