@@ -409,8 +409,8 @@ def stage_unit(plan: Plan, unit: Unit, record: PackedRecord, staged: StagedRecor
   """Unpacks a sparse unit's record on the device ``staged`` holds its segment on and stages
   its changes there; returns the device's flag that every key and code is well formed (read it
   before applying anything). Its streams go to the device in a buffer sized by the slot level
-  of its changes (``programs.SlotLevels``, as a whole payload's chunks: no version after the
-  first compiles), not by their bytes.
+  of its changes (``programs.SlotLevels``: no version after the first compiles), not by their
+  bytes.
 
   Raises:
     PayloadError: streams longer than its changes fill.

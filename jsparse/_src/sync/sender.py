@@ -318,7 +318,7 @@ class Sender:
 
   def _records(self, coding: Coding, changes: programs.DeviceChanges, snapshot: list,
                anchor: bool):
-    """The records of a whole payload in ``coding`` (a generator: see
+    """The decoded records of a version in ``coding``, one per segment (a generator: see
     :func:`payload.segment_records`)."""
     if not coding.ranked:
       changes = changes._replace(ranks=None)
@@ -479,31 +479,6 @@ class Sender:
   def _encode_part(self, head: PartHeader, records: list) -> bytes:
     return encode_part(self.plan, dataclasses.replace(
         head, part=jax.process_index(), parts=jax.process_count()), self._units, records)
-
-  @mesh_neutral
-  def anchor_part(self) -> bytes:
-    """This process's part of an anchor of the *current* version (the snapshot, every unit
-    dense), without moving to a new version: what a publisher offers next to a delta, for
-    rollouts that fell behind or lost their state. Every process calls it, as ``send``.
-
-    Raises:
-      VersionError: at version 0 (an anchor must be newer than what a receiver can hold).
-
-    >>> import jax.numpy as jnp, jsparse
-    >>> plan = jsparse.make_plan({'w': jnp.zeros(4)}, rollout_dtype=jnp.bfloat16)
-    >>> sender = jsparse.Sender(plan, {'w': jnp.zeros(4)}, version=5)
-    >>> receiver = jsparse.Receiver(plan, {'w': jnp.ones(4, jnp.bfloat16)}, version=2)
-    >>> _ = receiver.receive([sender.anchor_part()])
-    >>> receiver.version, float(receiver.params['w'][0])
-    (5, 0.0)
-    """
-    if self.version == 0:
-      raise VersionError("an anchor of version 0 would not be newer than any receiver's "
-                         "state: send a first version (sender.send(params)) before an "
-                         "anchor, or create the Sender with version >= 1")
-    head = PartHeader(self.coding.parts.format, Kind.ANCHOR, False, self.version - 1,
-                      self.version, bytes(8), self.digest, 0, 1)
-    return self._encode_part(head, dense_records(self.plan, self._units, self._snapshot))
 
   @mesh_neutral
   def _step(self, params: PyTree, anchor: bool, version: int | None, host_stage,
