@@ -146,10 +146,9 @@ def test_a_refused_send_changes_nothing_not_even_the_next_kind(plan, states):
   refusals = [(jsparse.VersionError, lambda: sender.send(states[1], version=0)),
               (jsparse.VersionError, lambda: sender.payload(states[1], version=0)),
               (jsparse.PlanMismatchError, lambda: sender.send(other_tree)),
-              (jsparse.PlanMismatchError, lambda: sender.send(other_tree)),
               (jsparse.PlanMismatchError, lambda: sender.send_stream(other_tree)),
               (jsparse.ConfigError, lambda: sender.send_stream(states[1], chunk_bytes=0))]
-  sends = [sender.send, lambda p: [sender.send(p)], lambda p: list(sender.send_stream(p))]
+  sends = [sender.send, lambda p: list(sender.send_stream(p))]
   for step, send in enumerate(sends, start=1):
     for error, refused in refusals:
       with pytest.raises(error):
@@ -157,7 +156,7 @@ def test_a_refused_send_changes_nothing_not_even_the_next_kind(plan, states):
     data = send(states[step])
     assert not sender.last_stats.anchor and sender.version == step
     assert sender.last_stats.payload_bytes < sender.last_stats.dense_bytes / 4
-    receiver.receive(data) if isinstance(data, bytes) else receiver.receive(data)
+    receiver.receive(data)
     assert_trees_bitwise_equal(receiver.params, plan.cast(states[step]))
 
 

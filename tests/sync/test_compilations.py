@@ -59,7 +59,7 @@ def _step(rng, params: dict, density: float) -> dict:
   return out
 
 
-def _whole(sender, receiver, params):
+def _sent(sender, receiver, params):
   return receiver.receive(sender.send(params))
 
 
@@ -71,7 +71,7 @@ def _streamed(sender, receiver, params):
 
 
 @pytest.mark.parametrize("coding, rows", [("ranked", 256), ("lists", 264)])
-@pytest.mark.parametrize("sync", [_whole, _streamed], ids=["whole", "stream"])
+@pytest.mark.parametrize("sync", [_sent, _streamed], ids=["send", "stream"])
 def test_no_sync_after_the_first_compiles_while_the_density_drifts(sync, coding, rows):
   rng = np.random.default_rng(3)
   rows += 16 * (sync is _streamed)
@@ -106,7 +106,7 @@ def test_levels_compiled_in_the_background_then_serve(monkeypatch):
   # from the fourth, :class:`programs.DiffWidths`), which the fourth's programs then serve.
   for density in (0.04, 0.005, 0.005, 0.005):
     params = _step(rng, params, density)
-    assert_trees_bitwise_equal(_whole(sender, receiver, params), plan.cast(params))
+    assert_trees_bitwise_equal(_sent(sender, receiver, params), plan.cast(params))
     assert programs.wait_for_slot_levels(timeout=600)
   sent, applied = [], []
   sparse_program, apply_program = programs.sparse_program, programs.apply_program
@@ -167,7 +167,7 @@ def test_no_sync_after_the_first_compiles_on_a_model_like_tree(coding):
   for density in (0.01, 0.04, 0.1, 0.0005, 0.01):
     params = _model_step(rng, params, density)
     before = len(_SYNC_COMPILES)
-    assert_trees_bitwise_equal(_whole(sender, receiver, params), plan.cast(params))
+    assert_trees_bitwise_equal(_sent(sender, receiver, params), plan.cast(params))
     compiled.append(_SYNC_COMPILES[before:])
     densities.append(sender.last_stats.density)
     assert programs.wait_for_slot_levels(timeout=600)

@@ -404,7 +404,7 @@ def test_a_failed_encode_leaves_the_sender_on_an_anchor(monkeypatch, stage):
   params = {"w": jnp.zeros(100)}
   plan, sender, receiver = _pair(params)
 
-  def broken(*args):
+  def broken(*args, **kwargs):
     raise RuntimeError("disk full")
   monkeypatch.setattr(sender_module, stage, broken)
   with pytest.raises(RuntimeError):

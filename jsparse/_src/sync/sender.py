@@ -38,7 +38,7 @@ from jsparse._src.core.plan import Plan
 from jsparse._src.errors import ConfigError, VersionError
 from jsparse._src.options import float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
-from jsparse._src.core.units import local_value, owned_units
+from jsparse._src.core.units import local_value
 from jsparse._src.sync import auto, programs
 from jsparse._src.sync.parts import dense_records, part_records, processes_with
 from jsparse._src.sync.stream import (PartStream, produce, start_host_copies,
@@ -96,6 +96,9 @@ class SendStats:
   @property
   def density(self) -> float:
     return self.changed / max(1, self.elements)
+
+
+WHOLE = 1 << 62  # chunk bytes of a stream of one part per process (what ``Sender.send`` sends)
 
 
 def anchor_due(version: int, anchor_every: int | None) -> bool:
@@ -183,7 +186,6 @@ class Sender:
     self._snapshot_lost = False  # a failed diff consumed the snapshot (donated)
     self.run_id: bytes = os.urandom(RUN_BYTES)  # the run's identity in a feed (see engine)
     self._relaid: set[str] = set()  # leaves already warned about (laid out otherwise)
-    self._owned: tuple | None = None  # the units this process sends in a part
     self._pieces: dict[int, tuple] = {}  # by chunk_bytes: this process's stream pieces
     self.last_stats: SendStats | None = None
     self._overflow_log = OverflowLog()
@@ -277,15 +279,8 @@ class Sender:
     >>> float(receiver.receive(data)['w'][5]), sender.last_stats.payload_bytes == len(data)
     (1.0, True)
     """
-    def mine(changes: programs.DeviceChanges, snapshot: list, anchor: bool) -> list:
-      return part_records(self.plan, self._step_coding.parts, self._units, changes, snapshot,
-                          anchor)
-
-    with self._anchor_next_if_moved():
-      head, records = self._step(params, anchor, version, mine, choose=True)
-      data = self._encode_part(head, records)
-    self._finish(len(data), self._step_coding.parts)
-    return data
+    (part,) = self.send_stream(params, anchor=anchor, version=version, chunk_bytes=WHOLE)
+    return part
 
   def _finish(self, payload_bytes: int | None, coding: Coding) -> None:
     """Completes ``last_stats`` once a version is all out (``payload_bytes``: None for decoded
@@ -460,25 +455,16 @@ class Sender:
     head = dataclasses.replace(head, parts=per_process * jax.process_count())
     first = jax.process_index() * per_process
 
+    threads = 1 if len(pieces) > 1 else None  # the pool codes parts side by side, else units
+
     def encode(k: int, piece: tuple) -> bytes:
       return encode_part(self.plan, dataclasses.replace(head, part=first + k), piece,
-                         records_of(piece), threads=1)  # the pool codes parts side by side
+                         records_of(piece), threads=threads)
 
     return PartStream(range(first, first + per_process), head.parts,
                       produce(pieces, encode, done or (lambda total: None), prefetch),
                       version=head.version, base_version=head.base_version,
                       anchor=head.kind == Kind.ANCHOR)
-
-  @property
-  def _units(self) -> tuple:
-    """The units this process sends in a part (computed once)."""
-    if self._owned is None:
-      self._owned = owned_units(self.plan, self._snapshot, jax.process_index())
-    return self._owned
-
-  def _encode_part(self, head: PartHeader, records: list) -> bytes:
-    return encode_part(self.plan, dataclasses.replace(
-        head, part=jax.process_index(), parts=jax.process_count()), self._units, records)
 
   @mesh_neutral
   def _step(self, params: PyTree, anchor: bool, version: int | None, host_stage,
