@@ -43,8 +43,7 @@ def _sharded(tree, mesh_shape, names, specs):
   return {k: NamedSharding(mesh, specs.get(k, P())) for k in tree}
 
 
-@pytest.mark.parametrize("coding, delta", [("positioned", "delta"), ("packed", "parts"),
-                                           ("packed-positioned", "parts")])
+@pytest.mark.parametrize("coding, delta", [("positioned", "delta"), ("packed", "parts")])
 def test_chain_restores_every_step_exactly_with_rebasing_onto_another_mesh(tmp_path, coding,
                                                                            delta):
   trees = _steps(0, 9)
@@ -259,7 +258,7 @@ def test_restored_sync_state_is_checked():
 
 @pytest.mark.parametrize("options", [{"rebase_every": True}, {"rebase_every": -1},
                                      {"max_to_keep": 0}, {"max_to_keep": 1.5},
-                                     {"coding": "lists"}, {"coding": "bogus"}])
+                                     {"coding": "ranked"}, {"coding": "bogus"}])
 def test_bad_manager_options_are_config_errors_and_create_nothing(tmp_path, options):
   plan = _plan(_steps(9, 1)[0])
   with pytest.raises(jsparse.ConfigError):

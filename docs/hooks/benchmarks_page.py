@@ -166,7 +166,7 @@ def values(data: dict) -> dict[str, Callable[[], str]]:
     changed = sync["steps"][step - 1]["changed"]
     params = r["workload"]["params"]
     dense = methods["dense bf16"]
-    ranked = next(row for name, row in methods.items() if "compact" in name)
+    ranked = next(row for name, row in methods.items() if "ranked" in name)
     positioned = next((row for name, row in methods.items() if "positioned" in name), None)
     v["sync_step"] = lambda: (f"Step {step} ({changed:,} of {params:,} elements changed, "
                               f"{_pct(changed / params)})")

@@ -52,7 +52,7 @@ from jsparse._src.wire.payload import (Coding, Format, Kind, Mode, Payload, Segm
 
 
 # Delta steps as Orbax arrays of a positioned payload, or as packed parts.
-_CHECKPOINT_CODINGS = (Coding.POSITIONED, Coding.PACKED, Coding.PACKED_POSITIONED)
+_CHECKPOINT_CODINGS = (Coding.POSITIONED, Coding.PACKED)
 
 
 class SaveInfo(NamedTuple):
@@ -162,7 +162,7 @@ class DeltaCheckpointManager:
     max_to_keep: keep the newest ``max_to_keep`` steps restorable (None: all); a base or a delta
       that a kept step needs is never deleted.
     coding: how delta steps are coded: ``"positioned"`` (the default: plain arrays that Orbax
-      compresses), or ``"packed"`` / ``"packed-positioned"`` (bit-packed on the device, stored
+      compresses), or ``"packed"`` (bit-packed on the device, stored
       as payload parts: no per-change work on the host, ~1 B per change); see
       :class:`~jsparse.Coding`.
 

@@ -338,7 +338,7 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
           else scale.packed_host_rate_of(plan, states[step - 1], states[step], args.repeats))
       scale.print_packed_host_rate(results["packed_host_rate"])
     with table("estimate"):
-      compact, core = results["sync"]["methods"][sync.METHODS[4]], results["sync"]["core"]
+      compact, core = results["sync"]["methods"][sync.RANKED], results["sync"]["core"]
       changed = results["sync"]["steps"][results["sync"]["step"] - 1]["changed"]
       ratio = compact["diff"] / core["compare-and-count (floor)"][0]
       measured = None
@@ -347,7 +347,7 @@ def _run(args: argparse.Namespace, table: Callable) -> dict:
                     core["dense bf16 copy"][0] / plan.num_elements)
       results["estimate"] = scale.estimate(compact, changed, ratio, measured_per_param=measured)
       scale.print_estimate(results["estimate"])
-      packed = results["sync"]["methods"][sync.METHODS[6]]
+      packed = results["sync"]["methods"][sync.PACKED]
       floors = {"compare-and-count": core["compare-and-count (floor)"][0],
                 "dense copy": core["dense bf16 copy"][0]}
       results["packed_estimate"] = scale.packed_estimate(

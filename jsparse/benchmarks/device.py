@@ -8,7 +8,7 @@ side in one run:
   bandwidth of a jitted dense copy measured here;
 - the host stages against moving and checksumming the payload's bytes;
 - the sync table (bytes, encode, apply, end-to-end at 0.1 to 100 Gbit/s) of every method on
-  the TinyLM step nearest 1%, and of the packed, ranked, lists and dense methods on a layered
+  the TinyLM step nearest 1%, and of the packed, ranked, positioned and dense methods on a layered
   tree of ``large_params`` parameters after one RL-like step;
 - a ``jax.profiler`` trace of one packed sync, in ``out_dir/trace``;
 - the 7B and 70B estimate at 1% over 10 and 100 Gbit/s from the device passes timed here and
@@ -34,8 +34,7 @@ import jsparse
 from jsparse.benchmarks import scale, sync
 from jsparse.examples import workload
 
-LARGE_METHODS = (sync.METHODS[0], sync.METHODS[1], sync.METHODS[3], sync.METHODS[4],
-                 sync.METHODS[6])
+LARGE_METHODS = (sync.DENSE, sync.RAW, sync.RANKED, sync.POSITIONED, sync.PACKED)
 
 
 def copy_bandwidth(elements: int = 1 << 26, repeats: int = 5) -> float:
@@ -74,7 +73,7 @@ def run(out_dir: str | None = "jsparse-device-benchmark", *, dim: int = 512, dep
   """The accelerator check (see the module docstring); writes ``results.json`` (and the trace)
   to ``out_dir`` if given. ``methods``: which of :data:`~jsparse.benchmarks.sync.METHODS` to
   compare (the packed coding's is always among them)."""
-  methods = tuple(dict.fromkeys((*methods, sync.METHODS[6])))
+  methods = tuple(dict.fromkeys((*methods, sync.PACKED)))
   say = print if echo else (lambda *a, **k: None)
   start = time.perf_counter()
   device = jax.devices()[0]
@@ -89,7 +88,7 @@ def run(out_dir: str | None = "jsparse-device-benchmark", *, dim: int = 512, dep
   steps = sync.per_step_sizes(plan, states)
   k = sync.one_percent_step(steps)
   table = _step_tables(plan, states[k - 1], states[k], repeats, methods)
-  packed = table[sync.METHODS[6]]
+  packed = table[sync.PACKED]
   changed = steps[k - 1]["changed"]
   floors = program_floors(plan, changed, rate)
   rows["programs"] = {name: {"ms": 1e3 * packed[name], "floor_ms": 1e3 * floor,
@@ -127,7 +126,7 @@ def run(out_dir: str | None = "jsparse-device-benchmark", *, dim: int = 512, dep
   n = plan.num_elements
   measured = ((packed["diff"] + packed["device_pack"]) / n,
               (packed["device_unpack"] + packed["device_apply"]) / n)
-  large_packed = large[sync.METHODS[6]]
+  large_packed = large[sync.PACKED]
   rows["estimate"] = scale.packed_estimate(
       packed, changed, {}, per_param=measured,
       host_per_byte=(large_packed["host_encode"] + large_packed["host_decode"])

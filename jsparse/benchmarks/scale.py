@@ -428,7 +428,7 @@ def print_coding_rates(rows: dict) -> None:
 
 
 def host_memory(plan: jsparse.Plan, before, after,
-                codings: Sequence[str] = ("ranked", "positioned", "lists"),
+                codings: Sequence[str] = ("ranked", "positioned", "packed"),
                 chunk_bytes: Sequence[int] = (8 << 20, 1 << 20)) -> dict:
   """Peak host memory of one sync, per coding, against its payload: Python and NumPy
   allocations traced by ``tracemalloc`` (device buffers, and the host copies XLA:CPU makes

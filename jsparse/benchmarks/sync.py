@@ -7,8 +7,8 @@ to updated device arrays on the other:
 - int32 index + bf16 value: the published SparseRL-Sync raw format, built as its proof of
   concept does (compare, ``nonzero``, gather), applied with a scatter.
 - XOR + zstd: XOR of old and new bits over every array, zstd-compressed, XORed back in.
-- jsparse format 1 (lists) and format 2 (compact): :class:`jsparse.Sender` and
-  :class:`jsparse.Receiver`, including their version, digest and checksum checks.
+- jsparse, one row per coding (``ranked``, ``positioned``, ``packed``): :class:`jsparse.Sender`
+  and :class:`jsparse.Receiver`, including their version, digest and checksum checks.
 
 *encode* is device arrays to bytes on the trainer, *apply* bytes to updated device arrays on the
 rollout (each the best of ``repeats``). End-to-end time at a link bandwidth is encode + bytes /
@@ -43,13 +43,12 @@ from jsparse.benchmarks._internals import (Format, Kind, PackedRecord, PartHeade
                                            read_index, read_parts, read_unit, sparse_inputs)
 
 LINKS_GBIT = (0.1, 1, 10, 100)
-METHODS = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + zstd",
-           "jsparse format 1 (lists)", "jsparse format 2 (compact)",
-           "jsparse format 2, positioned", "jsparse format 3 (packed)",
-           "jsparse format 3, positioned")
+DENSE, RAW, XOR = ("dense bf16", "int32 index + bf16 value (SparseRL-Sync raw)", "XOR + zstd")
+RANKED, POSITIONED, PACKED = (f"jsparse {c.value}" for c in (Coding.RANKED, Coding.POSITIONED,
+                                                             Coding.PACKED))
+METHODS = (DENSE, RAW, XOR, RANKED, POSITIONED, PACKED)
 # The jsparse methods' codings.
-CODINGS = {METHODS[3]: Coding.LISTS, METHODS[4]: Coding.RANKED, METHODS[5]: Coding.POSITIONED,
-           METHODS[6]: Coding.PACKED, METHODS[7]: Coding.PACKED_POSITIONED}
+CODINGS = {RANKED: Coding.RANKED, POSITIONED: Coding.POSITIONED, PACKED: Coding.PACKED}
 
 
 def _best(fn: Callable, setup: Callable[[], tuple] = tuple, repeats: int = 5) -> float:
@@ -289,13 +288,13 @@ def _chunk_temps(plan, coding, layouts, snapshot: list, new: list, inputs) -> in
     chunk_layouts, old = tuple(c.leaves(layouts)), c.leaves(snapshot)
     keys = c.segments(inputs.keys)
     indices = keys
-    if inputs.coded:
+    if any(c.segments(inputs.ranked)):
       indices = programs.positions_program(c.plan, chunk_layouts, c.segments(inputs.ranked), old,
                                            keys, inputs.counts[list(c.segment_ids)])
     temps.append(_temp(programs.diff_program, c.plan, coding.ranked, old, c.leaves(new),
                        c.leaf_id_array)
-                 + _temp(programs.apply_program(True), c.plan, chunk_layouts, inputs.coded, old,
-                         indices, c.segments(inputs.values), c.leaf_id_array))
+                 + _temp(programs.apply_program(True), c.plan, chunk_layouts, old, indices,
+                         c.segments(inputs.values), c.leaf_id_array))
   return max(temps, default=0)
 
 
@@ -304,9 +303,9 @@ def compare_methods(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 
   """Per method (of :data:`METHODS`): ``bytes``, ``encode`` and ``apply`` seconds, compiled
   ``temp`` bytes."""
   runs = {
-      METHODS[0]: _dense,
-      METHODS[1]: _raw_int32,
-      METHODS[2]: _xor_zstd,
+      DENSE: _dense,
+      RAW: _raw_int32,
+      XOR: _xor_zstd,
       **{name: functools.partial(_jsparse, coding=coding) for name, coding in CODINGS.items()},
   }
   return {name: runs[name](plan, before, after, repeats) for name in methods}
@@ -340,14 +339,14 @@ def print_report(plan: jsparse.Plan, steps: list[dict], rows: dict, step: int) -
     print(f"{name:<46}{r['bytes']:>11,}{r['bytes'] / changed:>7.2f}{dense / r['bytes']:>8.1f}x"
           f"{1e3 * r['encode']:>8.1f}{1e3 * r['apply']:>9.1f}{r['temp'] / 2**20:>8.1f}"
           + "".join(f"{1e3 * t:>13.1f}" for t in e2e))
-  base = rows[METHODS[0]]["e2e"]
+  base = rows[DENSE]["e2e"]
   print(f"\nend-to-end speedup over dense bf16 at {', '.join(f'{g:g}' for g in LINKS_GBIT)} "
         "Gbit/s:")
   for name, r in rows.items():
     print(f"  {name:<44}" + "  ".join(f"{base[g] / r['e2e'][g]:>6.1f}x" for g in LINKS_GBIT))
   print("\njsparse parts (ms): jitted diff step (+ pack) | host encode | host decode | "
         "(unpack +) jitted apply")
-  for name in (m for m in METHODS[3:] if m in rows):
+  for name in (m for m in CODINGS if m in rows):
     r = rows[name]
     pack = f" +{1e3 * r['device_pack']:>5.1f}" if "device_pack" in r else " " * 7
     unpack = f"{1e3 * r['device_unpack']:>5.1f} + " if "device_unpack" in r else " " * 8
@@ -411,20 +410,20 @@ def one_percent_step(steps: list[dict]) -> int:
   return min(range(1, len(steps) + 1), key=lambda i: abs(steps[i - 1]["density"] - 0.01))
 
 
-QUICK_METHODS = (METHODS[0], METHODS[1], *CODINGS)  # every coding: auto is held against them
+QUICK_METHODS = (DENSE, RAW, *CODINGS)  # every coding: auto is held against them
 
 
 def run(plan: jsparse.Plan, states: list, repeats: int = 5,
         methods: Sequence[str] = METHODS) -> dict:
   """The sync tables of a run's step nearest 1% (``methods``: which of :data:`METHODS`; the
-  format-2 one is always among them, as the estimate needs it)."""
-  methods = tuple(dict.fromkeys((*methods, METHODS[4])))
+  ranked one is always among them, as the estimate needs it)."""
+  methods = tuple(dict.fromkeys((*methods, RANKED)))
   steps = per_step_sizes(plan, states)
   step = one_percent_step(steps)
   rows = compare_methods(plan, states[step - 1], states[step], repeats, methods)
   print_report(plan, steps, rows, step)
   core = core_budgets(plan, states[step - 1], states[step], repeats)
-  for name in METHODS[4:]:
+  for name in CODINGS:
     if name in rows:
       print_device_ratios(name, rows[name], core)
   auto = auto_against_fixed(plan, states[step - 1], states[step], rows, repeats)

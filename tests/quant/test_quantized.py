@@ -170,7 +170,7 @@ def test_presets_sync_the_qwix_codes_and_scales_every_step(preset):
   assert sender.last_stats.overflowed_segments > 0  # the jolt overflows: dense, exact
 
 
-@pytest.mark.parametrize("coding", ["lists", "positioned", "packed", "packed-positioned"])
+@pytest.mark.parametrize("coding", ["ranked", "positioned", "packed"])
 def test_every_coding_carries_quantized_leaves(coding):
   tree = masters(2)
   steps = [rl_step(tree, 0)]

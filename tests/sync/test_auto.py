@@ -87,10 +87,10 @@ def test_auto_decides_again_when_the_density_or_the_link_moves():
   def measure(update, bpc):
     def calibrate():
       calls.append(update)
-      return _calibration(bpc, update, {Coding.RANKED: 0.05, Coding.LISTS: 0.01})
+      return _calibration(bpc, update, {Coding.RANKED: 0.05, Coding.POSITIONED: 0.01})
     return calibrate
 
-  bpc = {Coding.RANKED: 1.0, Coding.LISTS: 4.0}
+  bpc = {Coding.RANKED: 1.0, Coding.POSITIONED: 4.0}
   policy = auto.AutoCoding(link_gbit=1e-3, drift=4.0)
   one_percent = auto.Update(n // 100, n)
   assert policy.choose(None, measure(one_percent, bpc)) is Coding.RANKED
@@ -98,7 +98,7 @@ def test_auto_decides_again_when_the_density_or_the_link_moves():
   # Steps at about the calibrated density: no new calibration, whatever the link.
   assert policy.choose(auto.Update(n // 80, n), measure(one_percent, bpc)) is Coding.RANKED
   policy.link_gbit = 1e4  # a fast link: the least work wins, decided again at once
-  assert policy.choose(auto.Update(n // 80, n), measure(one_percent, bpc)) is Coding.LISTS
+  assert policy.choose(auto.Update(n // 80, n), measure(one_percent, bpc)) is Coding.POSITIONED
   assert len(calls) == 1
   # The density falls 10x (beyond drift): measured again on the next update.
   sparse = auto.Update(n // 1000, n)
@@ -111,19 +111,19 @@ def test_auto_decides_again_when_the_density_or_the_link_moves():
   # What the chosen coding's sends really carry replaces its calibrated bytes per change.
   policy.link_gbit = 1e-3
   policy.observe(Coding.RANKED, sparse, 10 * sparse.changes)  # 10 B/change after all
-  assert policy.choose(sparse, measure(sparse, bpc)) is Coding.LISTS
+  assert policy.choose(sparse, measure(sparse, bpc)) is Coding.POSITIONED
   assert policy.rates_used[Coding.RANKED].bytes_per_change == 10.0
 
 
 def test_a_degenerate_calibration_sends_the_fewest_bytes_until_a_representative_one():
   n = 10**6
   policy = auto.AutoCoding(link_gbit=1e4)
-  empty = _calibration({Coding.RANKED: 50.0, Coding.LISTS: 50.0}, auto.Update(0, n))
+  empty = _calibration({Coding.RANKED: 50.0, Coding.POSITIONED: 50.0}, auto.Update(0, n))
   assert policy.choose(None, lambda: empty) is auto.FEWEST_BYTES
   assert policy.rates_used is None
-  rl = _calibration({Coding.RANKED: 1.0, Coding.LISTS: 4.0}, auto.Update(n // 100, n),
-                    {Coding.RANKED: 0.05, Coding.LISTS: 0.01})
-  assert policy.choose(auto.Update(n // 100, n), lambda: rl) is Coding.LISTS  # measured now
+  rl = _calibration({Coding.RANKED: 1.0, Coding.POSITIONED: 4.0}, auto.Update(n // 100, n),
+                    {Coding.RANKED: 0.05, Coding.POSITIONED: 0.01})
+  assert policy.choose(auto.Update(n // 100, n), lambda: rl) is Coding.POSITIONED  # measured now
   assert policy.calibrations == 2
 
 

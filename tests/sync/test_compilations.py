@@ -70,7 +70,7 @@ def _streamed(sender, receiver, params):
   return stream.commit()
 
 
-@pytest.mark.parametrize("coding, rows", [("ranked", 256), ("lists", 264)])
+@pytest.mark.parametrize("coding, rows", [("ranked", 256), ("packed", 264)])
 @pytest.mark.parametrize("sync", [_sent, _streamed], ids=["send", "stream"])
 def test_no_sync_after_the_first_compiles_while_the_density_drifts(sync, coding, rows):
   rng = np.random.default_rng(3)

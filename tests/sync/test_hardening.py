@@ -5,7 +5,9 @@ expected."""
 
 import logging
 import threading
+import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -124,6 +126,21 @@ def test_receive_refuses_bytes_that_are_no_payload_or_part(data, message):
   receiver = jsparse.Receiver(plan, plan.cast(params))
   with pytest.raises(jsparse.PayloadError, match=message):
     receiver.receive(data)
+  assert receiver.version == 0
+
+
+def test_a_part_of_a_retired_format_is_refused_naming_it_and_the_jsparse_that_wrote_it():
+  """Format 1 (positions and raw bits, coding "lists") is no longer read: a part of it, valid
+  in every other way (its header checksum too), is refused before any body is read."""
+  plan, params, _ = _setup(leaves=1, size=8)
+  part = bytearray(jsparse.Sender(plan, params).send(jax.tree.map(lambda x: x + 1, params)))
+  part[4] = 1  # the format byte
+  end = parts_wire.HEADER.size + parts_wire.HEADER.unpack_from(part)[-1]
+  part[end:end + 4] = zlib.crc32(bytes(part[:end])).to_bytes(4, "little")
+  receiver = jsparse.Receiver(plan, plan.cast(params))
+  with pytest.raises(jsparse.PayloadError, match=r"format 1 .*'lists'.*jsparse 0\.2\.0\.dev0.*"
+                                                 r"send the version again"):
+    receiver.receive(bytes(part))
   assert receiver.version == 0
 
 

@@ -219,7 +219,7 @@ def test_receiver_refuses_params_that_do_not_match_the_plan():
     jsparse.Receiver(plan, {"w": jnp.zeros(4)})
 
 
-@pytest.mark.parametrize("coding", ["ranked", "lists"])  # positioned: ranked minus ranks
+@pytest.mark.parametrize("coding", ["ranked", "packed"])  # positioned: ranked minus ranks
 def test_compilations_follow_the_distinct_chunks_not_the_leaves_or_the_density(coding):
   """One compilation per program and chunk structure: twelve layers of the same shapes compile
   as one layer does; the per-change programs take slots sized to each step's changes, at most
@@ -294,7 +294,7 @@ def test_decoded_but_wrong_payload_is_caught_end_to_end_and_applies_nothing():
                              sender.snapshot)
 
 
-@pytest.mark.parametrize("coding", ["lists", "ranked"])
+@pytest.mark.parametrize("coding", ["packed", "ranked"])
 def test_lagging_receiver_catches_up_by_chain_or_anchor(coding):
   tree = _mixed_tree(5)
   plan = _mixed_plan()

@@ -35,7 +35,7 @@ def _perturb(rng, params, density):
                       params)
 
 
-@pytest.mark.parametrize("coding", ["ranked", "lists", "packed", "packed-positioned"])
+@pytest.mark.parametrize("coding", ["ranked", "positioned", "packed"])
 def test_stream_versions_are_exact_and_parts_are_bounded(coding):
   rng = np.random.default_rng(0)
   params, plan, sender, receiver = _setup(rng, coding=coding)

@@ -29,20 +29,11 @@ GOLDEN = {
                             120267),
     "positioned/anchor": ("0753541dab8dc55f23cf64109361812d922e41dc91146ce8126ecd2dd0839375",
                           133770),
-    "lists/delta": ("3a07565ee0fab97f7f6e590e9a1ae6e083b9c0eae62b2412d773658ebad9b908", 7315),
-    "lists/overflow": ("8a041165548227fec805962069fb5bbd964cacf6e34e9011f881243283adae00", 120243),
-    "lists/anchor": ("777cc75aa4e044eec477fc0a2855b9ba90260ba25ba059dfb1c888c0c94c23e6", 133626),
     "sharded/overflow": ("5dcf1c8b304d6f032ad5ae414a7693c6a914b49e5b67af1ba7fc32db3dbc67f3", 16516),
     "sharded/delta": ("69aa2dc70ca9458df47b39bdb49929c6e53721d3a7a441881a5979523735d27b", 870),
-    "packed-positioned/delta": ("909f893fa710bdc1e7e57a23fb5059d2d083c904203f4ca88c67a457d507c0fb",
-                                3114),
     "packed/overflow": ("0f04dcd199323e12ec785c9df7f7bb231a7da1002f279bc85b2ec283c73d9544", 120238),
     "packed/anchor": ("e174299e63349f0de0b662fe000e01d98101f49ab7a10eff2fa9e0d98e542ac4", 133596),
     "packed/delta": ("7f989bae3d8a06696d6d4cad23b098d3b3407d9463d495f5568a672bbca74969", 3122),
-    "packed-positioned/overflow": ("8e53be37b201f0e5a93cd3f0571dcc537d759c57d7d34b3e9bc54aea94305174",
-                                   120238),
-    "packed-positioned/anchor": ("e174299e63349f0de0b662fe000e01d98101f49ab7a10eff2fa9e0d98e542ac4",
-                                 133596),
     "sharded/packed-overflow": ("fbdfc61c19998c916ea1f9d846fec573e52f1afcc8d98fb1d436e1c860bd3b4a",
                                 16487),
     "sharded/packed": ("aef36997d11dfcc86199fde01e55d893bc5fc5f35d5fd034b41c501c54836374", 889),
@@ -73,7 +64,7 @@ def _payloads():
   tree = _tree(0)
   plan = jsparse.make_plan(tree, capacity=0.1, **strategies.mixed_plan_options())
   out = {}
-  for coding in ("ranked", "positioned", "lists", "packed", "packed-positioned"):
+  for coding in ("ranked", "positioned", "packed"):
     sender = jsparse.Sender(plan, tree, coding=coding)
     new = _update(np.random.default_rng(1), tree, 0.03)
     out[f"{coding}/delta"] = sender.send(new)

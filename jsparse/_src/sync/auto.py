@@ -24,9 +24,9 @@ processes does not calibrate (a throwaway sync of the whole tree needs one proce
 here). A calibration holds two more copies of the rollout weights while it runs, one coding at
 a time.
 
->>> rates = {Coding.RANKED: CodingRate(0.050, 1.0), Coding.LISTS: CodingRate(0.030, 4.0)}
+>>> rates = {Coding.RANKED: CodingRate(0.050, 1.0), Coding.POSITIONED: CodingRate(0.030, 1.4)}
 >>> choose(rates, 10**6, link_gbit=0.1).value, choose(rates, 10**6, link_gbit=100.0).value
-('ranked', 'lists')
+('ranked', 'positioned')
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ from typing import Any, Callable
 from jsparse._src.options import float_option
 from jsparse._src.wire.payload import Coding
 
-CANDIDATES = (Coding.PACKED, Coding.PACKED_POSITIONED, Coding.RANKED, Coding.POSITIONED,
-              Coding.LISTS)
+CANDIDATES = (Coding.PACKED, Coding.RANKED, Coding.POSITIONED)
 FEWEST_BYTES = Coding.RANKED  # the choice until a representative calibration
 DEFAULT_LINK_GBIT = 10.0
 DEFAULT_DRIFT = 4.0
@@ -155,12 +154,12 @@ class AutoCoding:
   >>> empty = Calibration({c: CodingRate(0.01, 100.0) for c in CANDIDATES}, Update(0, 10**6))
   >>> policy.choose(None, lambda: empty).value  # nothing measured that tells codings apart
   'ranked'
-  >>> rl = Calibration({Coding.RANKED: CodingRate(0.05, 1.0), Coding.LISTS: CodingRate(0.01, 4.0)},
-  ...                  Update(10_000, 10**6))
-  >>> policy.choose(Update(10_000, 10**6), lambda: rl).value, policy.rates_used[Coding.LISTS]
-  ('ranked', CodingRate(seconds=0.01, bytes_per_change=4.0))
+  >>> rl = Calibration({Coding.RANKED: CodingRate(0.05, 1.0),
+  ...                   Coding.POSITIONED: CodingRate(0.03, 1.4)}, Update(10_000, 10**6))
+  >>> policy.choose(Update(10_000, 10**6), lambda: rl).value, policy.rates_used[Coding.POSITIONED]
+  ('ranked', CodingRate(seconds=0.03, bytes_per_change=1.4))
   >>> policy.link_gbit = 1e3; policy.choose(Update(10_000, 10**6), lambda: rl).value
-  'lists'
+  'positioned'
   """
 
   def __init__(self, link_gbit: float = DEFAULT_LINK_GBIT, *, drift: float = DEFAULT_DRIFT):

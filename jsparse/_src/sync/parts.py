@@ -56,11 +56,11 @@ def part_records(plan: Plan, coding: Coding, units: Sequence[Unit], changes: Dev
     return packed_units.unit_records(plan, coding.ranked, units, counts, changes,
                                      lambda unit: _dense_record(plan, unit, snapshot))
   return [functools.partial(_dense_record, plan, unit, snapshot) if unit_count is None
-          else functools.partial(_sparse_record, plan, coding, unit, changes, unit_count)
+          else functools.partial(_sparse_record, plan, unit, changes, unit_count)
           for unit, unit_count in zip(units, counts)]
 
 
-def _sparse_record(plan: Plan, coding: Coding, unit: Unit, changes: DeviceChanges,
+def _sparse_record(plan: Plan, unit: Unit, changes: DeviceChanges,
                    unit_count: np.ndarray) -> SegmentPayload:
   """The sparse record of ``unit``, its changes (``unit_count`` per block) moved to the host."""
   s, delta = unit.segment, changes.delta
@@ -69,14 +69,14 @@ def _sparse_record(plan: Plan, coding: Coding, unit: Unit, changes: DeviceChange
     n = int(unit_count[0])
     ranks = None if changes.ranks is None or changes.ranks[s] is None else \
         local_value(changes.ranks[s])[:n]
-    return sparse_record(coding, seg, local_value(delta.indices[s])[:n],
+    return sparse_record(seg, local_value(delta.indices[s])[:n],
                          local_value(delta.values[s])[:n], local_value(changes.old_values[s])[:n],
                          ranks)
   per_block = delta.indices[s].shape[0] // seg.blocks  # (widened with the diff)
   positions = owned_slots(delta.indices[s], per_block, unit.blocks)
   used = positions < seg.size  # each block's changes ascend; blocks come in unit order
   return sparse_record(
-      coding, unit_slot(plan, unit), to_unit_positions(plan, unit, positions[used]).astype(
+      unit_slot(plan, unit), to_unit_positions(plan, unit, positions[used]).astype(
           np.int32), owned_slots(delta.values[s], per_block, unit.blocks)[used],
       owned_slots(changes.old_values[s], per_block, unit.blocks)[used], None)
 
@@ -155,8 +155,7 @@ def sparse_inputs(plan: Plan, read: PartsRead) -> ReceiverInputs | None:
     return None
   return read.staged.inputs(
       ranked=tuple(seg.ordered and read.header.ranked for seg in plan.segments),
-      coded=read.header.format.coded, slot_counts=read.sparse_counts,
-      dense=dense_segments(plan, read))
+      slot_counts=read.sparse_counts, dense=dense_segments(plan, read))
 
 
 def dense_segments(plan: Plan, read: PartsRead) -> tuple[bool, ...]:

@@ -85,10 +85,9 @@ class ReceiverInputs(NamedTuple):
 
   Attributes:
     keys: per segment, positions or ranks (the segment size in unused slots).
-    values: per segment, new bits or ulp codes (0 in unused slots).
+    values: per segment, ulp codes (0 in unused slots).
     counts: ``int32[segments]``: used slots (0 for dense records, written separately).
     ranked: per segment, whether its keys are ranks (static).
-    coded: whether the values are ulp codes (format 2) or new bits (static).
     levels: per chunk, ``(the slot level of its slots, the level its changes need, whether
       the staging compiled its programs for those slots)`` (see :class:`SlotLevels`); empty:
       none is compiled ahead.
@@ -106,7 +105,6 @@ class ReceiverInputs(NamedTuple):
   values: tuple
   counts: np.ndarray
   ranked: tuple[bool, ...]
-  coded: bool
   levels: tuple = ()
   compile_staging: Callable[[int, tuple[int, ...]], None] | None = None
   staging: str = "records"
@@ -303,9 +301,9 @@ def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, width: int, codin
           (family, level, needed))
 
 
-# How far a segment's slots widen by default: 80% of it. Past that, the sparse records of
-# `lists` and of the packed codings near or pass the dense one (measured at 100% changed:
-# +6% and +3%), and dense needs no slots.
+# How far a segment's slots widen by default: 80% of it. Past that, the sparse records of the
+# packed coding near or pass the dense one (measured at 100% changed: +3%), and dense needs
+# no slots.
 DEFAULT_MAX_CAPACITY = 0.8
 WIDEN_HEADROOM = 1.5  # a diff widens when its changes come within this of its slots
 
@@ -856,22 +854,20 @@ def _slot_bits(plan: Plan, seg: Segment, flat: list, positions: jax.Array) -> ja
   return segment_bits(plan, seg, flat)[positions]
 
 
-def _apply(plan: Plan, layouts: tuple, coded: bool, flat: list, indices: tuple, values: tuple,
+def _apply(plan: Plan, layouts: tuple, flat: list, indices: tuple, values: tuple,
            leaf_ids: jax.Array):
   """A chunk's leaves with its changes written, and what their digest gains: read from the
   leaves at the changed positions, before and after (leaves split into blocks: their whole
   digest instead, each device digesting its own blocks)."""
   if any(layouts):
-    out = apply_flat(plan, layouts, flat, indices, values,
-                     decoders=_ulp_decoder if coded else None)
+    out = apply_flat(plan, layouts, flat, indices, values, decoders=_ulp_decoder)
     return out, bits_digest(out, layouts, leaf_ids)
   safe = [jnp.minimum(idx, seg.size - 1) for seg, idx in zip(plan.segments, indices)]
   old = [_slot_bits(plan, seg, flat, p) for seg, p in zip(plan.segments, safe)]
   # Every read of the old leaves before they are written in place (donated): XLA would copy
   # them first otherwise.
   flat, old = jax.lax.optimization_barrier((flat, old))
-  out = apply_flat(plan, layouts, flat, indices, values,
-                   decoders=_ulp_decoder if coded else None)
+  out = apply_flat(plan, layouts, flat, indices, values, decoders=_ulp_decoder)
   gain = jnp.zeros((2,), jnp.uint32)
   for seg, idx, p, was in zip(plan.segments, indices, safe, old):
     within, ids = _slot_leaves(seg, p, leaf_ids)
@@ -880,16 +876,16 @@ def _apply(plan: Plan, layouts: tuple, coded: bool, flat: list, indices: tuple, 
 
 
 positions_program = jax.jit(_positions, static_argnums=(0, 1, 2))
-_APPLY_PROGRAMS = {donate: jax.jit(_apply, static_argnums=(0, 1, 2),
-                                   donate_argnums=(3,) if donate else ())
+_APPLY_PROGRAMS = {donate: jax.jit(_apply, static_argnums=(0, 1),
+                                   donate_argnums=(2,) if donate else ())
                    for donate in (False, True)}
 digest_program = jax.jit(bits_digest, static_argnums=1)
 
 
 def apply_program(donate: bool):
-  """The receiver's jitted apply of a chunk: ``(plan, layouts, coded, flat, indices, values,
-  leaf_ids) -> (flat, its digest gain, or its digest where ``layouts`` split a leaf)`` with the
-  first three static; ``flat`` donated if ``donate``."""
+  """The receiver's jitted apply of a chunk: ``(plan, layouts, flat, indices, values (ulp
+  codes), leaf_ids) -> (flat, its digest gain, or its digest where ``layouts`` split a leaf)``
+  with the first two static; ``flat`` donated if ``donate``."""
   return _APPLY_PROGRAMS[bool(donate)]
 
 
@@ -956,7 +952,7 @@ def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs,
       # (a first call of this config may not be at 0) and, when the sender widens its diff
       # after this version, the widest it widens to, in the background
       family = receiver_family(c, flat)
-      config = (chunk_layouts, inputs.coded, ranked, bool(donate), inputs.staging)
+      config = (chunk_layouts, ranked, bool(donate), inputs.staging)
       level, needed, staged = inputs.levels[k]
       if staged:
         SLOT_LEVELS.ran(family, level, config)
@@ -966,16 +962,16 @@ def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs,
       for wanted in sorted(ahead - ({level} if staged else set())):
         if SLOT_LEVELS.wanted(family, wanted, config):
           requests.append((family, wanted, _receiver_job(
-              k, c, wanted, chunk_layouts, inputs.coded, ranked, donate, chunk_flat, keys,
+              k, c, wanted, chunk_layouts, ranked, donate, chunk_flat, keys,
               values, counts, inputs.compile_staging), config))
-    if inputs.coded and any(ranked):  # (unused slots hold the segment size already: keys
-      # that are positions need no pass)
+    if any(ranked):  # (unused slots hold the segment size already: keys that are positions
+      # need no pass)
       indices = positions_program(c.plan, chunk_layouts, ranked, chunk_flat, keys, counts)
-    applies.append(((c.plan, chunk_layouts, inputs.coded, bool(donate),
+    applies.append(((c.plan, chunk_layouts, bool(donate),
                      tuple(getattr(x, "sharding", None) for x in chunk_flat),
                      tuple(x.shape for x in indices)),
-                    apply_program(donate), (c.plan, chunk_layouts, inputs.coded, chunk_flat,
-                                            indices, values, c.leaf_id_array), {}))
+                    apply_program(donate), (c.plan, chunk_layouts, chunk_flat, indices, values,
+                                            c.leaf_id_array), {}))
   compile_distinct(applies)
   outs = [fn(*args) for _, fn, args, _ in applies]
   for request in requests:  # once this call's programs are compiled: not competing with them
@@ -993,7 +989,7 @@ def apply_inputs(plan: Plan, layouts: tuple, flat: list, inputs: ReceiverInputs,
   return out, total
 
 
-def _receiver_job(k: int, chunk: Chunk, level: int, layouts: tuple, coded: bool, ranked: tuple,
+def _receiver_job(k: int, chunk: Chunk, level: int, layouts: tuple, ranked: tuple,
                   donate: bool, flat: list, keys: tuple, values: tuple, counts: np.ndarray,
                   compile_staging: Callable[[int, tuple[int, ...]], None] | None
                   ) -> Callable[[], None]:
@@ -1008,11 +1004,11 @@ def _receiver_job(k: int, chunk: Chunk, level: int, layouts: tuple, coded: bool,
     if compile_staging is not None:
       compile_staging(k, slots)
     indices = keys
-    if coded and any(ranked):
+    if any(ranked):
       compiled = positions_program.lower(chunk.plan, layouts, ranked, flat, keys,
                                          counts).compile()
       indices = tuple(jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding)
                       for n, sharding in zip(slots, compiled.output_shardings))
-    apply_program(donate).lower(chunk.plan, layouts, coded, flat, indices, values,
+    apply_program(donate).lower(chunk.plan, layouts, flat, indices, values,
                                 chunk.leaf_id_array).compile()
   return job

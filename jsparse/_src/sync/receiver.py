@@ -208,7 +208,7 @@ class Receiver:
     staged, dense, modes = staging.stage_records(self.plan, self._flat, records)
     flat = self._write_dense(dense)
     inputs = None if all(mode == Mode.DENSE for mode in modes) else staged.inputs(
-        ranked=ranked_segments(self.plan, modes), coded=header.format.coded,
+        ranked=ranked_segments(self.plan, modes),
         dense=staging.dense_in_delta(header, modes))
     return self._apply_and_commit(header, flat, inputs)
 

@@ -132,15 +132,15 @@ class Sender:
     coding: a :class:`~jsparse.Coding` (or its string): ``"positioned"`` (the default, ~1.35
       bytes per change on RL updates, each side's device passes near one read of the weights),
       ``"ranked"`` (~1 byte per change, the receiver building class tables of its weights: for
-      slow links), ``"packed"`` (as small, coded on the device: for accelerators), ``"lists"``
-      (4 bytes per change, the least device work), or ``"auto"`` (per version, the fastest over ``link_gbit``, from each coding's time
-      on this tree, measured again when the density moves; on every path; see
+      slow links), ``"packed"`` (as small, coded on the device: for accelerators), or
+      ``"auto"`` (per version, the fastest over ``link_gbit``, from each coding's time on this
+      tree, measured again when the density moves; on every path; see
       :attr:`SendStats.coding` and ``sync/auto.py``).
     link_gbit: the link's bandwidth in Gbit/s, for ``coding="auto"`` (an attribute: set it when
       the link changes).
     max_capacity: how far a segment's slots may widen when its changes outgrow the plan's
       ``capacity``, as a fraction of its elements (default 0.8; past it a segment is sent
-      densely: there the sparse forms of ``lists`` and the packed codings near dense):
+      densely: there the packed coding's sparse form nears dense):
       ``capacity`` is a starting point, and a dense step (a high learning rate, a run's
       first steps) is still coded sparsely, from the first delta on; only a density that
       jumps past 3x its slots in one step is carried densely, once. A wider diff takes more
@@ -159,10 +159,10 @@ class Sender:
   >>> import jax.numpy as jnp, jsparse
   >>> params = {'w': jnp.zeros(1000)}
   >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
-  >>> sender = jsparse.Sender(plan, params, coding="lists", anchor_every=10)
+  >>> sender = jsparse.Sender(plan, params, coding="ranked", anchor_every=10)
   >>> _ = sender.send({'w': params['w'].at[:5].set(1.0)})
   >>> sender.last_stats.changed, sender.last_stats.payload_bytes
-  (5, 132)
+  (5, 178)
   """
 
   @mesh_neutral
@@ -317,7 +317,7 @@ class Sender:
     :func:`payload.segment_records`)."""
     if not coding.ranked:
       changes = changes._replace(ranks=None)
-    return segment_records(self.plan, coding, local_value(changes.delta.counts),
+    return segment_records(self.plan, local_value(changes.delta.counts),
                            local_value(changes.delta.overflow), _HostChanges(changes),
                            dense=lambda s: segment_host_bits(self.plan, s, snapshot),
                            full=anchor)

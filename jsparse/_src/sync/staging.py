@@ -18,7 +18,7 @@ change lies in the slots does not matter.
 >>> plan = jsparse.make_plan({'w': jnp.zeros(1000)}, rollout_dtype=jnp.bfloat16)
 >>> staged = StagedRecords(plan, [jnp.zeros(1000, jnp.bfloat16)])
 >>> staged.add(0, np.array([3, 9], np.int32), np.array([1, 2], np.uint16))
->>> inputs = staged.inputs(ranked=(False,), coded=False)
+>>> inputs = staged.inputs(ranked=(False,))
 >>> inputs.counts.tolist(), inputs.keys[0][:3].tolist(), inputs.values[0][:3].tolist()
 ([2], [3, 9, 1000], [1, 2, 0])
 """
@@ -225,15 +225,14 @@ class StagedRecords:
     return tuple(tuple(sorted(kinds)) or ((block_size(seg), False),)
                  for kinds, seg in zip(self._kinds, self.plan.segments))
 
-  def inputs(self, *, ranked: Sequence[bool], coded: bool, slot_counts=None,
+  def inputs(self, *, ranked: Sequence[bool], slot_counts=None,
              dense: Sequence[bool] = ()) -> ReceiverInputs:
     """The :class:`~programs.ReceiverInputs` of the staged records, on the devices. Slots are
     sized by ``slot_counts`` (per segment, the changes of the whole version, which a rollout
     process of a multi-process job shares with the others whatever it read), by default by
     the changes staged here, at the slot level :class:`~programs.SlotLevels` chooses (the one
-    they need once compiled). ``ranked``: per segment, whether its keys are ranks; ``coded``:
-    whether the values are ulp codes; ``dense``: per segment, whether the delta carried it
-    densely."""
+    they need once compiled). ``ranked``: per segment, whether its keys are ranks; ``dense``: per
+    segment, whether the delta carried it densely."""
     counts = self._counts.astype(np.int32)
     sizing = counts if slot_counts is None else np.asarray(slot_counts)
     slots, levels = [0] * len(self.plan.segments), []
@@ -269,7 +268,7 @@ class StagedRecords:
     committed = jax.device_put(keys + values, list(self._devices) * 2)
     placed = replicated_copies(committed, self._shardings * 2)
     return ReceiverInputs(tuple(placed[:len(keys)]), tuple(placed[len(keys):]), counts,
-                          tuple(ranked), coded, tuple(levels),
+                          tuple(ranked), tuple(levels),
                           functools.partial(compile_chunk_slots, self.plan,
                                             tuple(self._devices), kinds),
                           "units" if any(c for k in kinds for _, c in k) else "records",

@@ -11,7 +11,7 @@ that overlap its own blocks. Layout, little-endian::
           | runs u16 | per run of consecutive blocks: first block u32, blocks u32
   crc     crc32 of header and table, u32
   bodies  per unit in table order: its record as a one-segment body of the format
-          (``lists.py``, ``compact.py``, or ``packed.py``'s unit body) in the unit's own index
+          (``compact.py``'s, or ``packed.py``'s unit body) in the unit's own index
           space (``units.py``)
 
 >>> import numpy as np, jax.numpy as jnp, jsparse
@@ -38,9 +38,9 @@ from jsparse._src.core.plan import Plan
 from jsparse._src.errors import PayloadError
 from jsparse._src.threads import parallel_map
 from jsparse._src.core.units import Unit, unit_slots
-from jsparse._src.wire import compact, lists, packed
-from jsparse._src.wire.payload import (FORMAT_MODES, MAX_VERSION, Format, Kind, Mode,
-                                       Payload, SegmentPayload, check_records)
+from jsparse._src.wire import compact, packed
+from jsparse._src.wire.payload import (MAX_VERSION, Format, Kind, Mode, Payload, SegmentPayload,
+                                       check_records)
 from jsparse._src.wire.reader import Reader
 
 MAGIC = b"JSPP"
@@ -53,7 +53,11 @@ HEADER = struct.Struct("<4sBBH16sQQ8s8sIIII")
 ENTRY = struct.Struct("<IBIIIH")
 RUN = struct.Struct("<II")
 _CRC = struct.Struct("<I")
-_BODIES = {Format.LISTS: lists, Format.COMPACT: compact}
+# Part formats this jsparse no longer reads, and what to do with one.
+RETIRED_FORMATS = {1: "format 1 (positions and raw bits, coding 'lists'), which jsparse "
+                      "0.2.0.dev0 wrote before it settled on two codings; this jsparse reads "
+                      "formats 2 ('ranked', 'positioned') and 3 ('packed'): have a sender of "
+                      "this jsparse send the version again (or an anchor)"}
 _RANKED = 1
 MAX_PARTS = 1 << 16
 MAX_BLOCKS = 1 << 20  # blocks of one leaf (devices of a mesh): bounds what a table can ask for
@@ -115,7 +119,7 @@ def encode_part(plan: Plan, header: PartHeader, units: Sequence[Unit],
       return mode, count, b""
     if header.format == Format.PACKED:
       return mode, count, packed.encode_unit(record)
-    return mode, count, _BODIES[header.format].encode_body(unit_slots(plan, unit), [record])
+    return mode, count, compact.encode_body(unit_slots(plan, unit), [record])
 
   coded = parallel_map(body_of, zip(units, records), threads)  # zstd, NumPy release the GIL
   bodies = [body for _, _, body in coded]
@@ -171,6 +175,8 @@ def read_index(plan: Plan, data) -> PartIndex:
     raise PayloadError("part was made for another plan (fingerprint differs): make the "
                        "rollout's plan with make_plan from the same tree (or its shapes) and "
                        "the same options as the trainer's")
+  if fmt in RETIRED_FORMATS:
+    raise PayloadError(f"part of {RETIRED_FORMATS[fmt]}")
   if fmt not in tuple(Format) or kind not in tuple(Kind) or flags & ~_RANKED:
     raise PayloadError(f"part format {fmt}, kind {kind} or flags {flags} not supported")
   if not 0 <= part < parts <= MAX_PARTS:
@@ -213,8 +219,8 @@ def _check_unit(plan: Plan, header: PartHeader, unit: Unit, mode: int, count: in
                        f"not sorted distinct blocks of {seg.blocks}")
   slots = unit_slots(plan, unit)
   slot = slots.segments[0]
-  if mode not in FORMAT_MODES[header.format]:
-    raise PayloadError(f"{slots.name}: mode {mode} is not one of format {header.format}")
+  if mode not in tuple(Mode):
+    raise PayloadError(f"{slots.name}: mode {mode} is not one of {[m.name for m in Mode]}")
   # (A sparse unit holds at most its size: a sender's slots widen past the capacity.)
   expected = {Mode.DENSE: count == slot.size, Mode.EMPTY: count == 0 and length == 0}.get(
       Mode(mode), 0 < count <= slot.size)
@@ -249,7 +255,7 @@ def read_unit(plan: Plan, index: PartIndex, data, i: int) -> SegmentPayload | pa
   if index.header.format == Format.PACKED:
     record = packed.decode_unit(slot, entry.mode, entry.count, reader, slots.name)
   else:
-    (record,) = _BODIES[index.header.format].decode_body(slots, reader)
+    (record,) = compact.decode_body(slots, reader)
   if reader.remaining:
     raise PayloadError(f"{slots.name}: {reader.remaining} unexpected bytes after its record")
   if isinstance(record, packed.PackedRecord):

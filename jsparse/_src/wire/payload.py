@@ -2,17 +2,17 @@
 
 A :class:`Payload` brings a receiver from ``base_version`` to ``version``: per segment of the
 plan one :class:`SegmentPayload` record, whose :class:`Mode` says how its changes are named and
-valued. :class:`Format` is the body layout on the wire (``lists.py``, ``compact.py``);
+valued. :class:`Format` is the body layout on the wire (``compact.py``, ``packed.py``);
 :class:`Coding` is the user's choice of format and naming. :func:`segment_records` builds the
 records from a diff moved to the host; :func:`check_records` states what every record must
 satisfy (the decoders and the checkpoint reader both rely on it).
 
 >>> import numpy as np, jax.numpy as jnp, jsparse
 >>> plan = jsparse.make_plan({'w': jnp.zeros(8)})
->>> record = SegmentPayload(Mode.LIST, np.array([3], np.int32), np.array([7], np.uint32))
->>> payload = Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), (record,), Format.LISTS)
->>> check_records(plan, payload) is payload, Coding("ranked").format
-(True, <Format.COMPACT: 2>)
+>>> record = SegmentPayload(Mode.BY_POSITION, np.array([3], np.int32), np.array([7], np.uint32))
+>>> payload = Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), (record,), Format.COMPACT)
+>>> check_records(plan, payload) is payload, Coding("packed").format
+(True, <Format.PACKED: 3>)
 """
 
 from __future__ import annotations
@@ -30,21 +30,14 @@ from jsparse._src.core.units import local_value
 from jsparse._src.errors import PayloadError
 from jsparse._src.device import ulp_codes
 
-CHUNK_BITS = 16  # format 1 names positions inside 2**16-element chunks (uint16)
 MAX_VERSION = 2**63  # versions are int64 in a SyncState
 RECORD = struct.Struct("<BI")  # a segment's entry in both formats' bodies: mode u8, count u32
 
 
 class Format(enum.IntEnum):
-  """The body layout of a payload on the wire."""
-  LISTS = 1    # per chunk uint16 positions (or a bitmap) and raw new bits: 4 B/change for bf16
+  """The body layout of a payload on the wire (1, positions and raw bits, is retired)."""
   COMPACT = 2  # gap-coded ranks or positions and ulp codes, zstd'd: ~1 B/change on RL updates
   PACKED = 3   # the same keys and codes bit-packed on the device: ~1 B/change, no host coding
-
-  @property
-  def coded(self) -> bool:
-    """Whether sparse values are ulp codes (else new bit patterns)."""
-    return self != Format.LISTS
 
 
 class Kind(enum.IntEnum):
@@ -54,43 +47,31 @@ class Kind(enum.IntEnum):
 
 
 class Mode(enum.IntEnum):
-  """How one segment record names its changes (indices) and gives their values."""
+  """How one segment record names its changes (indices) and gives their values (1 and 2,
+  retired format 1's lists and bitmaps, are unused)."""
   EMPTY = 0        # nothing changed
-  LIST = 1         # format 1: positions, new bit patterns
-  BITMAP = 2       # format 1: positions (sent as a bitmap), new bit patterns
-  DENSE = 3        # both formats: the whole segment's bit patterns, no indices
-  BY_RANK = 4      # format 2: ranks in the exponent-class order, ulp codes
-  BY_POSITION = 5  # format 2: positions, ulp codes
-
-
-FORMAT_MODES = {
-    Format.LISTS: frozenset({Mode.EMPTY, Mode.LIST, Mode.BITMAP, Mode.DENSE}),
-    Format.COMPACT: frozenset({Mode.EMPTY, Mode.DENSE, Mode.BY_RANK, Mode.BY_POSITION}),
-    Format.PACKED: frozenset({Mode.EMPTY, Mode.DENSE, Mode.BY_RANK, Mode.BY_POSITION}),
-}
+  DENSE = 3        # the whole segment's bit patterns, no indices
+  BY_RANK = 4      # ranks in the exponent-class order, ulp codes
+  BY_POSITION = 5  # positions, ulp codes
 
 
 class Coding(str, enum.Enum):
-  """How a :class:`~jsparse.Sender` codes its payloads (a string works too: ``"lists"``).
+  """How a :class:`~jsparse.Sender` codes its versions (a string works too: ``"packed"``).
 
-  - ``POSITIONED`` (the default): format 2, changes named by position, values as ulp codes:
-    ~1.35 B/change on RL updates, and no pass over the params on either side beyond the diff
-    and the writes (measured on a CPU, a 21M-parameter model's 1% step: device passes 1.3x a
-    compare-and-count and 1.3x a dense copy).
-  - ``RANKED``: format 2 with changes named by rank in the exponent-class order where the plan
-    allows: the fewest bytes (~1 B/change, 0.75x ``POSITIONED``'s), but the receiver builds
-    class tables of its params for every payload (same step: 2.2x and 8x): for slow links,
-    where the bytes decide.
-  - ``LISTS``: format 1, positions and raw new bits: 4 B/change for 16-bit dtypes, the least
-    device work; for fast links.
-  - ``PACKED``: format 3, the ranks and ulp codes of ``RANKED`` bit-packed in blocks of 32 by
-    the device (``device/packing.py``): ~1 B/change, and no per-change work on either host (it
-    only moves the packed words): for accelerators and fast links. Payloads, parts and streams
-    carry it (:meth:`Sender.payload`'s decoded records are ``RANKED``'s).
-  - ``PACKED_POSITIONED`` (``"packed-positioned"``): format 3 with the positions of
-    ``POSITIONED``: no ranking on either side (the least device work of the small codings),
-    but in position order gaps and codes pack less well than in class order (~1.7 B/change
-    on a trained model's 1% step).
+  Two codings, one per place the coding can run, and the default between them:
+
+  - ``RANKED``: coded on the host (format 2): changes named by rank in the exponent-class order
+    where the plan allows, values as ulp codes, gap-coded and zstd'd: the fewest bytes
+    (~1 B/change on RL updates), for slow links and hosts that code while the devices train;
+    the receiver builds class tables of its params for every version (a 21M-parameter model's
+    1% step on a CPU: its device passes ~3x a dense copy).
+  - ``PACKED``: the same ranks and ulp codes bit-packed in blocks of 32 on the device
+    (format 3, ``device/packing.py``): as few bytes, and no per-change work on either host
+    (it only moves the packed words): for accelerators.
+  - ``POSITIONED`` (the default): ``RANKED`` with changes named by position: ~1.35x its bytes,
+    and no pass over the params on either side beyond the diff and the writes (same step:
+    receive ~1.7x a dense copy). Kept beside the two because it is the fastest end to end
+    wherever the device passes decide (a CPU, a fast link: the benchmark's methods table).
   - ``AUTO``: per version, the one of the above that syncs fastest over the Sender's
     ``link_gbit``, predicted from each coding's time on the sender's tree, measured on a
     representative delta and again when the density moves (``sync/auto.py``); on payloads,
@@ -104,26 +85,22 @@ class Coding(str, enum.Enum):
   """
   RANKED = "ranked"
   POSITIONED = "positioned"
-  LISTS = "lists"
   PACKED = "packed"
-  PACKED_POSITIONED = "packed-positioned"
   AUTO = "auto"
 
   @property
   def format(self) -> Format:
-    return {Coding.LISTS: Format.LISTS, Coding.PACKED: Format.PACKED,
-            Coding.PACKED_POSITIONED: Format.PACKED}.get(self, Format.COMPACT)
+    return Format.PACKED if self is Coding.PACKED else Format.COMPACT
 
   @property
   def ranked(self) -> bool:
-    return self in (Coding.RANKED, Coding.PACKED, Coding.AUTO)
+    return self is not Coding.POSITIONED
 
   @property
   def records(self) -> "Coding":
     """The coding of this coding's decoded payloads (:meth:`Sender.payload`: records on the
-    host): the packed codings and ``AUTO`` use format 2's with the same keys."""
-    return {Coding.PACKED: Coding.RANKED, Coding.PACKED_POSITIONED: Coding.POSITIONED,
-            Coding.AUTO: Coding.RANKED}.get(self, self)
+    host): ``PACKED`` and ``AUTO`` use format 2's with the same keys."""
+    return Coding.POSITIONED if self is Coding.POSITIONED else Coding.RANKED
 
   @property
   def parts(self) -> "Coding":
@@ -140,8 +117,7 @@ class SegmentPayload:
     mode: a :class:`Mode` of the payload's format.
     indices: ``int32``, ascending: positions (or ranks for ``BY_RANK``) of the changes; None for
       ``DENSE``.
-    values: the new bit patterns (``LIST``, ``BITMAP``, ``DENSE``: the whole segment) or ulp
-      codes (``BY_RANK``, ``BY_POSITION``), unsigned ints of the rollout dtype's width.
+    values: the new bit patterns (``DENSE``: the whole segment) or ulp codes (``BY_RANK``, ``BY_POSITION``), unsigned ints of the rollout dtype's width.
   """
 
   mode: Mode
@@ -164,7 +140,7 @@ class Payload:
   base_digest: bytes
   new_digest: bytes
   segments: tuple[SegmentPayload, ...]
-  format: Format = Format.LISTS
+  format: Format = Format.COMPACT
 
 
 def ranked_segments(plan: Plan, modes: Sequence[Mode]) -> tuple[bool, ...]:
@@ -176,12 +152,6 @@ def ranked_segments(plan: Plan, modes: Sequence[Mode]) -> tuple[bool, ...]:
   return tuple(seg.ordered and not by_position for seg in plan.segments)
 
 
-def list_or_bitmap(size: int, count: int) -> Mode:
-  """The cheaper format-1 position coding for ``count`` changes among ``size`` elements."""
-  chunks = -(-size // (1 << CHUNK_BITS))
-  return Mode.LIST if 2 * count + 4 * chunks <= (size + 7) // 8 else Mode.BITMAP
-
-
 def segment_host_bits(plan: Plan, segment_id: int, flat: Sequence) -> np.ndarray:
   """The flat host bit patterns of one segment of rollout leaves ``flat`` (a dense record)."""
   seg = plan.segments[segment_id]
@@ -189,7 +159,7 @@ def segment_host_bits(plan: Plan, segment_id: int, flat: Sequence) -> np.ndarray
   return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def segment_records(plan: Plan, coding: Coding, counts: np.ndarray, overflow: np.ndarray,
+def segment_records(plan: Plan, counts: np.ndarray, overflow: np.ndarray,
                     changes: Callable[[int], tuple], *, dense: Callable[[int], np.ndarray],
                     full: bool = False) -> Iterator[SegmentPayload]:
   """The records of a diff on the host, one segment at a time: a generator, which asks for a
@@ -198,7 +168,6 @@ def segment_records(plan: Plan, coding: Coding, counts: np.ndarray, overflow: np
 
   Args:
     plan: the plan.
-    coding: the payload's :class:`Coding`.
     counts: per segment, how many elements changed (a :class:`~jsparse.Delta`'s counts).
     overflow: per segment, whether it overflowed its capacity.
     changes: ``changes(s)`` gives segment ``s``'s slots as numpy arrays: ``(positions, new
@@ -216,16 +185,14 @@ def segment_records(plan: Plan, coding: Coding, counts: np.ndarray, overflow: np
     if seg.blocks > 1:  # ascending per block, unused slots between blocks: merge the blocks
       order = np.argsort(indices, kind="stable")
       indices, values, old = indices[order], values[order], old[order]
-    yield sparse_record(coding, seg, indices[:count], values[:count], old[:count],
+    yield sparse_record(seg, indices[:count], values[:count], old[:count],
                         None if ranks is None else ranks[:count])
 
 
-def sparse_record(coding: Coding, seg: Segment, positions: np.ndarray, values: np.ndarray,
+def sparse_record(seg: Segment, positions: np.ndarray, values: np.ndarray,
                   old: np.ndarray, ranks: np.ndarray | None) -> SegmentPayload:
   """The record of changes at ascending ``positions`` of ``seg`` (new bits ``values``, old bits
   ``old``; their ``ranks`` if they are to be named by rank)."""
-  if coding.format == Format.LISTS:
-    return SegmentPayload(list_or_bitmap(seg.size, len(positions)), positions, values)
   codes = ulp_codes.ulp_codes(old, values, seg.dtype, np)
   if ranks is not None:  # by class, then position: a stable sort
     order = np.argsort(ulp_codes.exponent_class(old, seg.dtype, np), kind="stable")
@@ -266,8 +233,6 @@ def check_record(plan: Plan, payload: Payload, s: int, part: SegmentPayload) -> 
   :func:`check_records`."""
   seg = plan.segments[s]
   where = plan.describe_segment(s)
-  if part.mode not in FORMAT_MODES[payload.format]:
-    raise PayloadError(f"{where}: mode {part.mode} is not one of format {payload.format}")
   if np.dtype(part.values.dtype) != seg.bit_dtype:
     raise PayloadError(f"{where}: values are {part.values.dtype}, expected {seg.bit_dtype}")
   if part.mode == Mode.DENSE:
