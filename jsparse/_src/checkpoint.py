@@ -290,7 +290,7 @@ class DeltaCheckpointManager:
                                    lengths=lengths)
       items = {"parts": ocp.args.StandardSave({"bytes": rows})}
     else:
-      payload = sender.payload(params, version=step)
+      payload = sender._decoded_version(params, version=step)
       meta = chain_meta.delta_meta(self.plan, payload, changed=sender.last_stats.changed,
                                    base=self.meta(payload.base_version)["base"])
       items = {"delta": ocp.args.StandardSave(payload_arrays(self.plan, payload))}

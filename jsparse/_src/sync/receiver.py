@@ -159,7 +159,7 @@ class Receiver:
     ``data`` is what the sender sent of the version, in any of its forms: the bytes of
     :meth:`Sender.send` of a one-process trainer (a version of one part), a list or tuple of
     every part of the version (one per trainer process, or a :meth:`Sender.send_stream`'s),
-    or a decoded :class:`~jsparse.Payload` (:meth:`Sender.payload`). A part may be ``bytes`` or
+    or a decoded ``Payload`` (what a delta checkpoint restores). A part may be ``bytes`` or
     anything with ``len`` and slicing (e.g. an ``mmap`` of a file): of each part this reads
     its index, then only the units that overlap the blocks this process holds
     (:attr:`last_read` says how many). Parts are applied only when every part is present

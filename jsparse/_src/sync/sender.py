@@ -66,9 +66,9 @@ class SendStats:
       :class:`OverflowLog`).
     overflowed_changes: the changes of those segments (sent as their whole segments).
     anchor: whether the payload is an anchor (every segment dense).
-    payload_bytes: the payload's size (None after :meth:`Sender.payload`, which makes no bytes).
+    payload_bytes: the bytes of the version (of this process's parts).
     coding: the coding of what was sent (for ``coding="auto"``: the one it chose), on every
-      path: payloads, parts, streams and :meth:`Sender.payload`'s records.
+      path: ``send`` and ``send_stream``, deltas and anchors.
     coding_rates: for ``coding="auto"``, the rates its choice was made from: per candidate,
       ``(seconds of one sync's work, bytes per change)``; None for a fixed coding, an anchor,
       or before a representative calibration (see ``sync/auto.py``).
@@ -329,12 +329,12 @@ class Sender:
                         "process calls send() and ships its own part")
 
   @mesh_neutral
-  def payload(self, params: PyTree, *, anchor: bool = False,
-              version: int | None = None) -> Payload:
-    """Like :meth:`send`, but returns the decoded payload (what
-    :meth:`Receiver.receive` applies), not its bytes."""
+  def _decoded_version(self, params: PyTree, *, version: int | None = None) -> Payload:
+    """Like :meth:`send`, but returns the decoded payload (what :meth:`Receiver.receive`
+    applies), not its bytes: for a delta checkpoint, which stores its records as arrays
+    (``payload_bytes`` stays None: it makes no bytes)."""
     with self._anchor_next_if_moved():
-      payload = self._payload(params, anchor, version)
+      payload = self._payload(params, False, version)
       payload = dataclasses.replace(payload, segments=tuple(payload.segments))
     self._finish(None, self.coding.records)
     return payload

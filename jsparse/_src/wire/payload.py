@@ -98,8 +98,8 @@ class Coding(str, enum.Enum):
 
   @property
   def records(self) -> "Coding":
-    """The coding of this coding's decoded payloads (:meth:`Sender.payload`: records on the
-    host): ``PACKED`` and ``AUTO`` use format 2's with the same keys."""
+    """The coding of this coding's decoded payloads (records on the host, as a delta
+    checkpoint stores them): ``PACKED`` and ``AUTO`` use format 2's with the same keys."""
     return Coding.POSITIONED if self is Coding.POSITIONED else Coding.RANKED
 
   @property
