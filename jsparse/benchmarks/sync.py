@@ -312,7 +312,8 @@ def compare_methods(plan: jsparse.Plan, before: Any, after: Any, repeats: int = 
 
 
 def per_step_sizes(plan: jsparse.Plan, states: list) -> list[dict]:
-  """Density and compact payload size of every step of a run, synced step by step."""
+  """Density and payload size (the default coding) of every step of a run, synced step by
+  step."""
   sender = jsparse.Sender(plan, states[0])
   rows = []
   for params in states[1:]:
@@ -325,7 +326,7 @@ def per_step_sizes(plan: jsparse.Plan, states: list) -> list[dict]:
 def print_report(plan: jsparse.Plan, steps: list[dict], rows: dict, step: int) -> None:
   changed = steps[step - 1]["changed"]
   dense = plan.rollout_bytes
-  print("per step (jsparse format 2):  " + "  ".join(
+  print("per step (jsparse, default coding):  " + "  ".join(
       f"{i + 1}: {r['density']:.2%} {r['bytes'] / r['changed']:.2f} B/chg"
       for i, r in enumerate(steps)))
   print(f"\nstep {step}: {changed:,} of {plan.num_elements:,} bf16 elements changed "

@@ -64,14 +64,16 @@ class Coding(str, enum.Enum):
     where the plan allows, values as ulp codes, gap-coded and zstd'd: the fewest bytes
     (~1 B/change on RL updates), for slow links and hosts that code while the devices train;
     the receiver builds class tables of its params for every version (a 21M-parameter model's
-    1% step on a CPU: its device passes ~3x a dense copy).
+    1% step on a CPU: its device passes ~9x a dense copy).
   - ``PACKED``: the same ranks and ulp codes bit-packed in blocks of 32 on the device
     (format 3, ``device/packing.py``): as few bytes, and no per-change work on either host
     (it only moves the packed words): for accelerators.
-  - ``POSITIONED`` (the default): ``RANKED`` with changes named by position: ~1.35x its bytes,
+  - ``POSITIONED`` (the default): ``RANKED`` with changes named by position: ~1.3x its bytes,
     and no pass over the params on either side beyond the diff and the writes (same step:
-    receive ~1.7x a dense copy). Kept beside the two because it is the fastest end to end
-    wherever the device passes decide (a CPU, a fast link: the benchmark's methods table).
+    receive ~1.9x a dense copy). Kept beside the two because it is the fastest end to end
+    where the device passes decide: on a 2-core CPU, a 21M-parameter model's 1.3% step synced
+    in 137-164 ms at 100-0.1 Gbit/s, against 217-238 ms (``RANKED``) and 224-246 ms
+    (``PACKED``): 1.45-1.6x faster (the benchmark's methods table, ``--only sync``).
   - ``AUTO``: per version, the one of the above that syncs fastest over the Sender's
     ``link_gbit``, predicted from each coding's time on the sender's tree, measured on a
     representative delta and again when the density moves (``sync/auto.py``); on payloads,
@@ -105,7 +107,7 @@ class Coding(str, enum.Enum):
   @property
   def parts(self) -> "Coding":
     """The coding of this coding's parts and streams: its own (packed on the device for the
-    packed codings), ``RANKED`` for ``AUTO`` where it has not chosen (anchors)."""
+    packed coding), ``RANKED`` for ``AUTO`` where it has not chosen (anchors)."""
     return Coding.RANKED if self is Coding.AUTO else self
 
 
