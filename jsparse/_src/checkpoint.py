@@ -10,7 +10,7 @@ applies to, the chain's base, the plan fingerprint and the 64-bit digest of the 
 after the step. In a multi-controller job (params spanning processes) every process calls
 ``save`` and ``restore``; a delta step then holds each process's payload part
 (:meth:`~jsparse.Sender.send`) as one row of a byte array (kind ``"parts"``), and any
-process count restores it. A chain with a packed ``coding`` stores its deltas as parts too,
+process count restores it. A chain with ``coding="packed"`` stores its deltas as parts too,
 bit-packed on the devices. Restoring step ``s`` restores its base onto the shardings asked for, then applies
 the deltas in order, checking every digest, so a restore is bit-exact or an error that names the
 step at fault.
@@ -62,7 +62,7 @@ class SaveInfo(NamedTuple):
     step: the saved step.
     kind: ``"base"`` (the full tree), ``"delta"`` (the changes since the step before) or
       ``"parts"`` (the same as payload parts: one per process of a multi-process job, or a
-      chain with a packed coding).
+      chain with ``coding="packed"``).
     changed: elements that changed since the step before (a base: every element).
     bytes: the step's bytes on disk.
 
@@ -117,7 +117,7 @@ def _payload_from_arrays(plan: Plan, meta: dict, arrays: dict) -> Payload:
       gap_at += count
     segments.append(SegmentPayload(mode, positions, part_values))
   return Payload(Kind.DELTA, meta["parent"], meta["step"], bytes.fromhex(meta["parent_digest"]),
-                 bytes.fromhex(meta["digest"]), tuple(segments), Format.COMPACT)
+                 bytes.fromhex(meta["digest"]), tuple(segments))
 
 
 def _delta_target(plan: Plan, meta: dict) -> dict[str, Any]:

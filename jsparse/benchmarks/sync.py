@@ -237,7 +237,7 @@ def stage_times(plan: jsparse.Plan, coding: Coding, snapshot: Any, after: Any, d
   """Seconds of a sync's stages (best of ``repeats``): the sender's device stage (``diff``),
   its host stage (``host_encode``: the part's records and bytes from the diff's outputs), the
   receiver's host stage (``host_decode``: the part read, its records staged on the device), its
-  device stage (``device_apply``). ``data``: the part of this update. A packed coding's device
+  device stage (``device_apply``). ``data``: the part of this update. The packed coding's device
   passes are two more: the sender's packing (``device_pack``, which ``host_encode`` then does
   not count), the receiver's unpacking and checks (``device_unpack``, likewise out of
   ``host_decode``)."""

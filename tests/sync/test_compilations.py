@@ -113,7 +113,7 @@ def test_levels_compiled_in_the_background_then_serve(monkeypatch):
   monkeypatch.setattr(programs, "sparse_program", lambda chunk_plan, slots, *args: (
       sent.append(slots), sparse_program(chunk_plan, slots, *args))[1])
   monkeypatch.setattr(programs, "apply_program", lambda donate: lambda *args: (
-      applied.append(tuple(len(i) for i in args[4])), apply_program(donate)(*args))[1])
+      applied.append(tuple(len(i) for i in args[3])), apply_program(donate)(*args))[1])
   before = _compiles()
   params = _step(rng, params, 0.005)
   data = sender.send(params)
@@ -188,7 +188,7 @@ def _on_fsdp8(tree: dict) -> dict:
         "fsdp8" if x else "single"))
 def test_no_stream_after_the_first_compiles_on_a_model_like_tree(coding, placed):
   """As above, for versions streamed in parts (``Sender.send_stream``, ``Receiver.open_stream``:
-  a packed coding packs and unpacks each unit of a part on its own), on one device and with
+  the packed coding packs and unpacks each unit of a part on its own), on one device and with
   the matrices split over a mesh (the parts' units are blocks)."""
   rng = np.random.default_rng(6)
   placed = placed or (lambda tree: tree)

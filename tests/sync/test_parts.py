@@ -42,7 +42,7 @@ def split(plan, data, k):
                                  units[p::k], records[p::k]) for p in range(k)]
 
 
-# Every layout pair with the default coding; the other codings on three pairs (a split
+# Every layout pair with "ranked"; the other codings on three pairs (a split
 # trainer, a split rollout, both split on two axes): their coding differs, not their layouts.
 CASES = ([(t, r, "ranked") for t, r in PAIRS]
          + [(t, r, c) for t, r in (PAIRS[0], PAIRS[4], PAIRS[5])

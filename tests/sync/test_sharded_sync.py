@@ -14,7 +14,7 @@ from jsparse._src.wire.payload import Mode
 from tests.meshes import PAIRS, assert_layout, place, trees
 
 
-# Every layout pair with the default coding; positioned and packed (other record paths, same
+# Every layout pair with "ranked"; "positioned" and "packed" (other record paths, same
 # layouts) on three pairs. tests/sync/test_parts.py runs the same pairs through payload parts.
 CASES = ([(t, r, "ranked") for t, r in PAIRS]
          + [(t, r, c) for t, r in (PAIRS[0], PAIRS[4], PAIRS[5]) for c in ("positioned", "packed")])

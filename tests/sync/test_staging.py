@@ -33,7 +33,7 @@ def test_pieces_in_any_order_fill_the_slots_with_exactly_their_changes(monkeypat
   staged = staging.StagedRecords(plan, jax.tree.leaves(plan.cast(params)))
   for lo, hi in [(40, 60), (0, 7), (7, 40)]:  # out of order, of several blocks, one short
     staged.add(0, keys[lo:hi], values[lo:hi])
-  inputs = staged.inputs(ranked=(False, False), coded=True)
+  inputs = staged.inputs(ranked=(False, False))
   n = programs.slots_needed(plan, [60, 0])[0]
   key, value = np.asarray(inputs.keys[0]), np.asarray(inputs.values[0])
   assert inputs.counts.tolist() == [60, 0] and key.shape == (n,)
@@ -50,7 +50,7 @@ def test_slots_lie_replicated_on_the_mesh_of_the_segments_leaves():
           jax.tree.leaves(plan.cast(params))]
   staged = staging.StagedRecords(plan, flat)
   staged.add(0, np.array([5, 3], np.int32), np.array([1, 2], np.uint16))
-  inputs = staged.inputs(ranked=(False, False), coded=False, slot_counts=[70, 0])
+  inputs = staged.inputs(ranked=(False, False), slot_counts=[70, 0])
   for x in inputs.keys + inputs.values:
     assert x.sharding.is_equivalent_to(NamedSharding(mesh, P()), 1)
   assert len(inputs.keys[0]) == programs.slots_needed(plan, [70, 0])[0]

@@ -24,7 +24,8 @@ from tests.part_bytes import read_part
 
 @functools.lru_cache(maxsize=None)
 def _samples():
-  """(plan, valid payloads of both formats, including dense segments and an anchor)."""
+  """(plan, valid payloads of format 2, by position and by rank, including dense segments
+  and an anchor)."""
   tree = strategies.mixed_tree(np.random.default_rng(0))
   plan = jsparse.make_plan(tree, capacity=0.1, **strategies.mixed_plan_options())
   rng = np.random.default_rng(1)
@@ -140,7 +141,8 @@ def test_compact_format_is_near_one_byte_per_change_on_an_rl_update():
   model, optimizer, batches = rl_model.rl_finetuning(cfg)
   params = nnx.state(model, nnx.Param)
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
-  senders = {f: jsparse.Sender(plan, params, coding=c) for f, c in ((1, "positioned"), (2, "ranked"))}
+  senders = {f: jsparse.Sender(plan, params, coding=c)
+             for f, c in ((1, "positioned"), (2, "ranked"))}
   receivers = {f: jsparse.Receiver(plan, plan.cast(params)) for f in (1, 2)}
   for _ in range(3):
     rl_model.train_step(model, optimizer, next(batches))

@@ -287,7 +287,7 @@ def _trimmed(chunk: Chunk, counts: np.ndarray, requests: list, width: int, codin
   within = np.minimum(counts[list(chunk.segment_ids)],
                       level_slots(chunk.plan, ids, width))  # overflowed ones: dense
   needed = needed_level(chunk.plan, ids, within, lowest=width)
-  # Per coding: what runs after it (a packed coding's packing) compiles with its levels.
+  # Per coding: what runs after it (the packed coding's packing) compiles with its levels.
   family = ("send", chunk.plan, width, coding, tuple(t is None for t in args[0]),
             args[1][0].sharding)
   level = SLOT_LEVELS.choose(family, needed, base=width)

@@ -197,7 +197,7 @@ class Receiver:
 
   @mesh_neutral
   def _apply_records(self, header: Payload, records: Iterable[SegmentPayload]) -> PyTree:
-    """Applies a payload whose ``header`` (versions, digests, format) is checked and whose
+    """Applies a payload whose ``header`` (versions, digests) is checked and whose
     ``records`` are taken one at a time: each sparse one is staged on the devices as it comes
     (``staging.py``), and nothing is written before the last has come."""
     with self._lock:

@@ -362,7 +362,7 @@ class Sender:
 
     head, segments = self._step(params, anchor, version, whole)
     return Payload(head.kind, head.base_version, head.version, head.base_digest,
-                   head.new_digest, segments, self.coding.records.format)
+                   head.new_digest, segments)
 
   def send_stream(self, params: PyTree, *, anchor: bool = False, version: int | None = None,
                   chunk_bytes: int = 64 << 20) -> PartStream:

@@ -54,10 +54,10 @@ ENTRY = struct.Struct("<IBIIIH")
 RUN = struct.Struct("<II")
 _CRC = struct.Struct("<I")
 # Part formats this jsparse no longer reads, and what to do with one.
-RETIRED_FORMATS = {1: "format 1 (positions and raw bits, coding 'lists'), which jsparse "
-                      "0.2.0.dev0 wrote before it settled on two codings; this jsparse reads "
-                      "formats 2 ('ranked', 'positioned') and 3 ('packed'): have a sender of "
-                      "this jsparse send the version again (or an anchor)"}
+RETIRED_FORMATS = {1: "format 1 (positions and raw bits, coding 'lists'), which jsparse 0.1 "
+                      "and the 0.2 development versions wrote; this jsparse reads formats 2 "
+                      "('ranked', 'positioned') and 3 ('packed'): have a sender of this "
+                      "jsparse send the version again (or an anchor)"}
 _RANKED = 1
 MAX_PARTS = 1 << 16
 MAX_BLOCKS = 1 << 20  # blocks of one leaf (devices of a mesh): bounds what a table can ask for
@@ -265,5 +265,5 @@ def read_unit(plan: Plan, index: PartIndex, data, i: int) -> SegmentPayload | pa
     raise PayloadError(f"{slots.name}: body holds a {record.mode.name} record of other size "
                        "than its table entry")
   check_records(slots, Payload(index.header.kind, index.header.base_version,
-                               index.header.version, b"", b"", (record,), index.header.format))
+                               index.header.version, b"", b"", (record,)))
   return record

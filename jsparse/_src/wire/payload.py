@@ -10,7 +10,7 @@ satisfy (the decoders and the checkpoint reader both rely on it).
 >>> import numpy as np, jax.numpy as jnp, jsparse
 >>> plan = jsparse.make_plan({'w': jnp.zeros(8)})
 >>> record = SegmentPayload(Mode.BY_POSITION, np.array([3], np.int32), np.array([7], np.uint32))
->>> payload = Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), (record,), Format.COMPACT)
+>>> payload = Payload(Kind.DELTA, 0, 1, bytes(8), bytes(8), (record,))
 >>> check_records(plan, payload) is payload, Coding("packed").format
 (True, <Format.PACKED: 3>)
 """
@@ -31,7 +31,7 @@ from jsparse._src.errors import PayloadError
 from jsparse._src.device import ulp_codes
 
 MAX_VERSION = 2**63  # versions are int64 in a SyncState
-RECORD = struct.Struct("<BI")  # a segment's entry in both formats' bodies: mode u8, count u32
+RECORD = struct.Struct("<BI")  # a segment's entry in a compact body: mode u8, count u32
 
 
 class Format(enum.IntEnum):
@@ -63,14 +63,14 @@ class Coding(str, enum.Enum):
   - ``RANKED``: coded on the host (format 2): changes named by rank in the exponent-class order
     where the plan allows, values as ulp codes, gap-coded and zstd'd: the fewest bytes
     (~1 B/change on RL updates), for slow links and hosts that code while the devices train;
-    the receiver builds class tables of its params for every version (a 21M-parameter model's
-    1% step on a CPU: its device passes ~9x a dense copy).
+    the receiver builds class tables of its params for every version (on a CPU, a
+    21M-parameter model's 1.3% step: its device passes 8.8x a dense copy).
   - ``PACKED``: the same ranks and ulp codes bit-packed in blocks of 32 on the device
     (format 3, ``device/packing.py``): as few bytes, and no per-change work on either host
     (it only moves the packed words): for accelerators.
   - ``POSITIONED`` (the default): ``RANKED`` with changes named by position: ~1.3x its bytes,
     and no pass over the params on either side beyond the diff and the writes (same step:
-    receive ~1.9x a dense copy). Kept beside the two because it is the fastest end to end
+    receive 1.9x a dense copy). Kept beside the two because it is the fastest end to end
     where the device passes decide: on a 2-core CPU, a 21M-parameter model's 1.3% step synced
     in 137-164 ms at 100-0.1 Gbit/s, against 217-238 ms (``RANKED``) and 224-246 ms
     (``PACKED``): 1.45-1.6x faster (the benchmark's methods table, ``--only sync``).
@@ -119,7 +119,8 @@ class SegmentPayload:
     mode: a :class:`Mode` of the payload's format.
     indices: ``int32``, ascending: positions (or ranks for ``BY_RANK``) of the changes; None for
       ``DENSE``.
-    values: the new bit patterns (``DENSE``: the whole segment) or ulp codes (``BY_RANK``, ``BY_POSITION``), unsigned ints of the rollout dtype's width.
+    values: the new bit patterns (``DENSE``: the whole segment) or ulp codes (``BY_RANK``,
+      ``BY_POSITION``), unsigned ints of the rollout dtype's width.
   """
 
   mode: Mode
@@ -142,7 +143,6 @@ class Payload:
   base_digest: bytes
   new_digest: bytes
   segments: tuple[SegmentPayload, ...]
-  format: Format = Format.COMPACT
 
 
 def ranked_segments(plan: Plan, modes: Sequence[Mode]) -> tuple[bool, ...]:
@@ -206,8 +206,8 @@ def check_records(plan: Plan, payload: Payload) -> Payload:
   """Returns ``payload`` if every record is well formed for ``plan``, else raises.
 
   Raises:
-    PayloadError: versions that do not increase or reach 2**63; naming the segment: a mode of
-      another format, a dense record of the wrong size, indices out of range, unsorted or
+    PayloadError: versions that do not increase or reach 2**63; naming the segment: a mode
+      that is none of :class:`Mode`, a dense record of the wrong size, indices out of range, unsorted or
       repeated (so never more changes than the segment's size), ranks
       for a segment that has no rank order, a payload mixing ranks and positions in ordered
       segments, an anchor with sparse records, values of the wrong width.
@@ -235,6 +235,8 @@ def check_record(plan: Plan, payload: Payload, s: int, part: SegmentPayload) -> 
   :func:`check_records`."""
   seg = plan.segments[s]
   where = plan.describe_segment(s)
+  if part.mode not in tuple(Mode):
+    raise PayloadError(f"{where}: mode {part.mode} is none of {[m.name for m in Mode]}")
   if np.dtype(part.values.dtype) != seg.bit_dtype:
     raise PayloadError(f"{where}: values are {part.values.dtype}, expected {seg.bit_dtype}")
   if part.mode == Mode.DENSE:
