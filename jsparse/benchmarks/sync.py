@@ -288,8 +288,9 @@ def _chunk_temps(plan, coding, layouts, snapshot: list, new: list, inputs) -> in
     chunk_layouts, old = tuple(c.leaves(layouts)), c.leaves(snapshot)
     keys = c.segments(inputs.keys)
     indices = keys
-    if any(c.segments(inputs.ranked)):
-      indices = programs.positions_program(c.plan, chunk_layouts, c.segments(inputs.ranked), old,
+    ranked = c.segments(inputs.ranked)
+    if any(ranked):
+      indices = programs.positions_program(c.plan, chunk_layouts, ranked, old,
                                            keys, inputs.counts[list(c.segment_ids)])
     temps.append(_temp(programs.diff_program, c.plan, coding.ranked, old, c.leaves(new),
                        c.leaf_id_array)

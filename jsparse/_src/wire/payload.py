@@ -73,7 +73,7 @@ class Coding(str, enum.Enum):
     receive 1.9x a dense copy). Kept beside the two because it is the fastest end to end
     where the device passes decide: on a 2-core CPU, a 21M-parameter model's 1.3% step synced
     in 137-164 ms at 100-0.1 Gbit/s, against 217-238 ms (``RANKED``) and 224-246 ms
-    (``PACKED``): 1.45-1.6x faster (the benchmark's methods table, ``--only sync``).
+    (``PACKED``): 1.45-1.64x faster (the benchmark's methods table, ``--only sync``).
   - ``AUTO``: per version, the one of the above that syncs fastest over the Sender's
     ``link_gbit``, predicted from each coding's time on the sender's tree, measured on a
     representative delta and again when the density moves (``sync/auto.py``); on payloads,
@@ -207,9 +207,9 @@ def check_records(plan: Plan, payload: Payload) -> Payload:
 
   Raises:
     PayloadError: versions that do not increase or reach 2**63; naming the segment: a mode
-      that is none of :class:`Mode`, a dense record of the wrong size, indices out of range, unsorted or
-      repeated (so never more changes than the segment's size), ranks
-      for a segment that has no rank order, a payload mixing ranks and positions in ordered
+      that is none of :class:`Mode`, a dense record of the wrong size, indices out of range,
+      unsorted or repeated (so never more changes than the segment's size), ranks for a
+      segment that has no rank order, a payload mixing ranks and positions in ordered
       segments, an anchor with sparse records, values of the wrong width.
   """
   if len(payload.segments) != len(plan.segments):
