@@ -8,6 +8,7 @@ False
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -68,3 +69,16 @@ def special_values(dtype: Any) -> np.ndarray:
     patterns += [exp_all, sign | exp_all]  # +-inf (float8_e4m3fn has none)
   values = np.array(patterns, width).view(dtype)
   return np.concatenate([values, np.array([1, -1, info.max, info.min], dtype)])
+
+
+def host_device_flags(devices: int, flags: str | None = None) -> str:
+  """``XLA_FLAGS`` for a process that simulates ``devices`` CPU devices: ``flags`` (by default
+  this process's ``XLA_FLAGS``) with its host device count replaced, every other flag kept.
+
+  >>> host_device_flags(2, "--xla_backend_optimization_level=0 "
+  ...                      "--xla_force_host_platform_device_count=8")
+  '--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=2'
+  """
+  kept = [flag for flag in (os.environ.get("XLA_FLAGS", "") if flags is None else flags).split()
+          if not flag.startswith("--xla_force_host_platform_device_count")]
+  return " ".join([*kept, f"--xla_force_host_platform_device_count={int(devices)}"])

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from jsparse.testing import host_device_flags
+
 
 def in_fresh_process(module: str, call: str, devices: int | None = None) -> dict:
   """``module.call`` evaluated in a new interpreter; ``devices``: simulated CPU devices there.
@@ -17,7 +19,7 @@ def in_fresh_process(module: str, call: str, devices: int | None = None) -> dict
   """
   env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
   if devices is not None:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(devices)}"
+    env["XLA_FLAGS"] = host_device_flags(devices)
   code = f"import json, {module} as m; print(json.dumps(m.{call}))"
   out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                        env=env)

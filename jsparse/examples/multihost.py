@@ -401,8 +401,9 @@ def launch(role: str, processes: int, devices: int, out_dir: str, extra: Sequenc
   """Runs ``role`` as a local ``jax.distributed`` job of ``processes`` processes with
   ``devices`` CPU devices each; returns each process's report. Every process is killed if the
   job fails or runs past ``timeout`` seconds."""
+  from jsparse.testing import host_device_flags
   port = _free_port()
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, XLA_FLAGS=host_device_flags(devices),
              JAX_PLATFORMS="cpu")
   logs = Path(out_dir) / "logs"
   logs.mkdir(parents=True, exist_ok=True)

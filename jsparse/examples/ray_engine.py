@@ -21,7 +21,9 @@ from typing import Sequence
 
 import ray
 
-ACTOR_ENV = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+from jsparse.testing import host_device_flags
+
+ACTOR_ENV = {"env_vars": {"XLA_FLAGS": host_device_flags(8),
                           "JAX_PLATFORMS": "cpu"}}
 
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 import jsparse
 from jsparse import engine
-from jsparse.testing import assert_trees_bitwise_equal
+from jsparse.testing import assert_trees_bitwise_equal, host_device_flags
 from jsparse import tunix as jtunix
 from jsparse._src.engine import records
 from jsparse._src.tunix import compat
@@ -77,7 +77,7 @@ def test_the_run_equals_the_same_run_with_tunix_dense_sync(dense, sparse):
 def test_a_rollout_job_in_another_process_follows_the_trainer_feed(tmp_path):
   feed_dir, out = tmp_path / "feed", tmp_path / "rollout.npz"
   feed = engine.DirectoryFeed(feed_dir)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = dict(os.environ, XLA_FLAGS=host_device_flags(4))
   job = subprocess.Popen(
       [sys.executable, "-m", "jsparse.examples.tunix_grpo", "--feed", str(feed_dir),
        "--until", str(FOLLOW_STEPS), "--out", str(out)], env=env, stdout=subprocess.PIPE,

@@ -12,8 +12,10 @@ import json
 import os
 import sys
 
+from jsparse.testing import host_device_flags
+
 if __name__ == "__main__":  # a job's process (importing this module changes nothing)
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  os.environ["XLA_FLAGS"] = host_device_flags(2)
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
