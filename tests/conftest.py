@@ -7,7 +7,7 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 # The suite compiles thousands of small programs and runs each a few times: XLA's CPU backend
-# compiles them about 2x faster with LLVM's optimizations off. XLA's own HLO passes, which
+# compiles them up to about 2x faster with LLVM's optimizations off. XLA's own HLO passes, which
 # decide what is computed, run as always; only the machine code is less tuned. Processes the
 # tests start inherit it. At the default level instead:
 #   XLA_FLAGS=--xla_backend_optimization_level=2 bash run.sh test

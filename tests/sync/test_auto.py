@@ -38,9 +38,9 @@ def _jolt(tree):
   return jax.tree.map(lambda x: np.asarray(x) * 1.5 + 1.0, tree)
 
 
-# 100 kbit/s: a few kB more take longer on it than any difference of the codings' compute, in
-# every environment the suite runs in (at 1 Mbit/s, under XLA's -O0 or a loaded machine, packed's
-# 2.3 kB fewer, 19 ms, can be less than its slower device passes: auto rightly takes another).
+# 100 kbit/s: there a few kB more outweigh how much the codings' compute differs on a CPU (at
+# 1 Mbit/s, under XLA's -O0 or on a loaded machine, packed's 2.3 kB fewer, 19 ms, can weigh
+# less than its slower device passes, and auto rightly takes another coding).
 SLOW_LINK_GBIT = 1e-4
 
 
