@@ -43,7 +43,8 @@ def _sharded(tree, mesh_shape, names, specs):
   return {k: NamedSharding(mesh, specs.get(k, P())) for k in tree}
 
 
-@pytest.mark.parametrize("coding, delta", [("positioned", "delta"), ("packed", "parts")])
+@pytest.mark.parametrize("coding, delta", [("positioned", "delta"), ("packed", "parts"),
+                                           ("auto", "parts")])
 def test_chain_restores_every_step_exactly_with_rebasing_onto_another_mesh(tmp_path, coding,
                                                                            delta):
   trees = _steps(0, 9)
@@ -91,7 +92,8 @@ def test_retention_never_deletes_what_a_kept_step_needs(tmp_path):
       assert_trees_bitwise_equal(chain.restore(step), plan.cast(trees[step]))
 
 
-@pytest.mark.parametrize("coding, delta", [("positioned", "delta"), ("packed", "parts")])
+@pytest.mark.parametrize("coding, delta", [("positioned", "delta"), ("packed", "parts"),
+                                           ("auto", "parts")])
 def test_reopened_manager_continues_the_chain(tmp_path, coding, delta):
   trees = _steps(3, 6)
   plan = _plan(trees[0])
@@ -387,3 +389,25 @@ def test_64_bit_leaves_with_large_jumps_are_saved_and_restored(tmp_path):
       assert [chain.save(s, t).kind for s, t in enumerate(steps)] == ["base", "delta", "delta"]
       for s, t in enumerate(steps):
         assert_trees_bitwise_equal(chain.restore(s), t)
+
+
+@pytest.mark.parametrize("link_gbit", [1e-5, 1e3])
+def test_an_auto_chain_stores_each_delta_in_the_coding_its_policy_chose(tmp_path, link_gbit):
+  """Over slow storage ``auto`` stores the fewest bytes; over fast storage the least work."""
+  trees = _steps(11, 4)
+  plan = _plan(trees[0])
+  with jsparse.DeltaCheckpointManager(tmp_path, plan, coding="auto", link_gbit=link_gbit,
+                                      rebase_every=5) as chain:
+    infos = [chain.save(step, t) for step, t in enumerate(trees)]
+    rates = chain._sender.last_stats.coding_rates
+    for step, tree in enumerate(trees):
+      assert_trees_bitwise_equal(chain.restore(step), plan.cast(tree))
+  assert [i.kind for i in infos] == ["base", "parts", "parts", "parts"]
+  assert infos[0].coding is None
+  changes = infos[-2].changed  # the policy predicts from the delta before
+  predicted = {c: seconds + changes * per_change * 8 / (link_gbit * 1e9)
+               for c, (seconds, per_change) in rates.items()}
+  assert infos[-1].coding == min(predicted, key=predicted.get)
+  if link_gbit < 1e-3:
+    fewest = min(rates, key=lambda c: rates[c][1])
+    assert infos[-1].coding == fewest

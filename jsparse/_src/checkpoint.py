@@ -11,7 +11,8 @@ after the step. In a multi-controller job (params spanning processes) every proc
 ``save`` and ``restore``; a delta step then holds each process's payload part
 (:meth:`~jsparse.Sender.send`) as one row of a byte array (kind ``"parts"``), and any
 process count restores it. A chain with ``coding="packed"`` stores its deltas as parts too,
-bit-packed on the devices. Restoring step ``s`` restores its base onto the shardings asked for, then applies
+bit-packed on the devices; one with ``coding="auto"`` as parts in the coding that its
+sender's policy chose for each step. Restoring step ``s`` restores its base onto the shardings asked for, then applies
 the deltas in order, checking every digest, so a restore is bit-exact or an error that names the
 step at fault.
 
@@ -42,17 +43,18 @@ from jax.experimental import multihost_utils
 from jsparse._src import chain_meta
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import CheckpointError, ConfigError, ForeignPlanError, JsparseError
-from jsparse._src.options import int_option
+from jsparse._src.options import float_option, int_option
 from jsparse._src.pytree import PyTree
+from jsparse._src.sync.auto import DEFAULT_LINK_GBIT
 from jsparse._src.sync.receiver import Receiver
 from jsparse._src.sync.sender import Sender, coding_option
 from jsparse._src.sync.state import from_storable, storable, storable_shapes
-from jsparse._src.wire.payload import (Coding, Format, Kind, Mode, Payload, SegmentPayload,
+from jsparse._src.wire.payload import (Coding, Kind, Mode, Payload, SegmentPayload,
                                        check_records)
 
 
 # Delta steps as Orbax arrays of a positioned payload, or as packed parts.
-_CHECKPOINT_CODINGS = (Coding.POSITIONED, Coding.PACKED)
+_CHECKPOINT_CODINGS = (Coding.POSITIONED, Coding.PACKED, Coding.AUTO)
 
 
 class SaveInfo(NamedTuple):
@@ -62,23 +64,26 @@ class SaveInfo(NamedTuple):
     step: the saved step.
     kind: ``"base"`` (the full tree), ``"delta"`` (the changes since the step before) or
       ``"parts"`` (the same as payload parts: one per process of a multi-process job, or a
-      chain with ``coding="packed"``).
+      chain with ``coding="packed"`` or ``"auto"``).
     changed: elements that changed since the step before (a base: every element).
     bytes: the step's bytes on disk.
+    coding: the coding of a delta step's changes (with ``coding="auto"``: the one chosen for
+      the step); None for a base.
 
   >>> import tempfile, jax.numpy as jnp, jsparse
   >>> plan = jsparse.make_plan({'w': jnp.zeros(100)})
   >>> with jsparse.DeltaCheckpointManager(tempfile.mkdtemp(), plan) as chain:
   ...   _ = chain.save(0, {'w': jnp.zeros(100)})
   ...   info = chain.save(1, {'w': jnp.ones(100)})
-  >>> info.step, info.kind, info.changed
-  (1, 'delta', 100)
+  >>> info.step, info.kind, info.changed, info.coding
+  (1, 'delta', 100, 'positioned')
   """
 
   step: int
   kind: str
   changed: int
   bytes: int
+  coding: str | None = None
 
 
 def payload_arrays(plan: Plan, payload: Payload) -> dict[str, Any]:
@@ -162,9 +167,10 @@ class DeltaCheckpointManager:
     max_to_keep: keep the newest ``max_to_keep`` steps restorable (None: all); a base or a delta
       that a kept step needs is never deleted.
     coding: how delta steps are coded: ``"positioned"`` (the default: plain arrays that Orbax
-      compresses), or ``"packed"`` (bit-packed on the device, stored
-      as payload parts: no per-change work on the host, ~1 B per change); see
-      :class:`~jsparse.Coding`.
+      compresses), ``"packed"`` (bit-packed on the device, stored as payload parts: no
+      per-change work on the host, ~1 B per change), or ``"auto"`` (per step, the coding that
+      stores fastest at ``link_gbit``, stored as payload parts); see :class:`~jsparse.Coding`.
+    link_gbit: for ``coding="auto"``, the storage's write bandwidth in Gbit/s.
 
   Saves are synchronous: ``save`` returns once the step is committed. A manager reopened on an
   existing directory continues the newest chain (it restores the newest step to diff against).
@@ -182,11 +188,13 @@ class DeltaCheckpointManager:
   """
 
   def __init__(self, directory: str | os.PathLike, plan: Plan, *, rebase_every: int = 10,
-               max_to_keep: int | None = None, coding: Coding | str = Coding.POSITIONED):
+               max_to_keep: int | None = None, coding: Coding | str = Coding.POSITIONED,
+               link_gbit: float = DEFAULT_LINK_GBIT):
     self.coding = coding_option(coding)
     if self.coding not in _CHECKPOINT_CODINGS:
       raise ConfigError(f"a checkpoint chain's coding is one of "
                         f"{[c.value for c in _CHECKPOINT_CODINGS]}, got {self.coding.value!r}")
+    self.link_gbit = float_option("link_gbit", link_gbit, minimum=1e-6)
     self.rebase_every = int_option("rebase_every", rebase_every, minimum=0)
     self.max_to_keep = int_option("max_to_keep", max_to_keep, minimum=1, optional=True)
     self.directory = Path(directory)
@@ -275,12 +283,12 @@ class DeltaCheckpointManager:
     self._sender = None  # until this step is committed
     chain_length = len(self.chain(sender.version)) if sender is not None else 0
     if force_base or sender is None or chain_length > self.rebase_every:
-      sender = Sender(self.plan, params, version=step, coding=self.coding)
+      sender = self._sender_of(params, step)
       meta = chain_meta.base_meta(self.plan, step=step, digest=sender.digest)
       items = {"params": ocp.args.StandardSave(storable(self.plan, sender.snapshot))}
       if not self.plan.leaves:
         items = {}  # Orbax refuses an empty item; the meta says it all
-    elif spans_processes(params) or self.coding.format == Format.PACKED:
+    elif spans_processes(params) or self.coding is not Coding.POSITIONED:
       parent, parent_digest = sender.version, sender.digest
       part = sender.send(params, version=step)
       rows, lengths = _rows_of_parts(part)
@@ -300,7 +308,8 @@ class DeltaCheckpointManager:
     self._meta[step] = meta
     self._sender = sender
     self._apply_retention()
-    return SaveInfo(step, meta["kind"], meta["changed"], self.step_bytes(step))
+    coding = None if meta["kind"] == "base" else sender.last_stats.coding
+    return SaveInfo(step, meta["kind"], meta["changed"], self.step_bytes(step), coding)
 
   def restore(self, step: int | None = None, *, shardings: PyTree | None = None) -> PyTree:
     """Restores ``step`` (default: the newest) bit-exactly, in rollout dtypes.
@@ -371,7 +380,11 @@ class DeltaCheckpointManager:
       logging.warning("jsparse: cannot continue the chain of step %d (%s); starting a base",
                       latest, e)
       return None
-    return Sender(self.plan, restored, version=latest, coding=self.coding)
+    return self._sender_of(restored, latest)
+
+  def _sender_of(self, params: PyTree, step: int) -> Sender:
+    """A sender of this chain's deltas, holding ``params`` as ``step``."""
+    return Sender(self.plan, params, version=step, coding=self.coding, link_gbit=self.link_gbit)
 
   def _apply_retention(self) -> None:
     if self.max_to_keep is None:

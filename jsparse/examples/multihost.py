@@ -188,7 +188,8 @@ def trainer(args: argparse.Namespace) -> dict:
                                - stats.payload_bytes,
                                "host_peak_bytes": host["peak"],
                                "changed": stats.changed, "elements": stats.elements,
-                               "dense_bytes": stats.dense_bytes, "anchor": stats.anchor})
+                               "dense_bytes": stats.dense_bytes, "anchor": stats.anchor,
+                               "coding": stats.coding, "coding_rates": stats.coding_rates})
     expected = multihost_utils.process_allgather(plan.cast(params), tiled=True)  # test only
     if args.quantize:  # test only: the codes and scales are qwix's on the whole masters
       report.setdefault("qwix_equal", []).append(_equals_qwix(

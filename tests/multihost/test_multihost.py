@@ -43,9 +43,9 @@ def jobs(tmp_path_factory):
   reports["after4"] = multihost.launch("rollout", 2, 4, str(four),
                                        ["--name", "after4", *steps4], timeout=TIMEOUT)
   quantized = tmp_path_factory.mktemp("trainer_fp8")  # FP8 rollout weights, per channel
-  fp8 = ["--quantize", "fp8_per_channel", "--steps", "3"]  # the default coding, positioned
-  reports["trainer_fp8"] = multihost.launch("trainer", 2, 4, str(quantized), fp8,
-                                            timeout=TIMEOUT)
+  fp8 = ["--quantize", "fp8_per_channel", "--steps", "3"]
+  reports["trainer_fp8"] = multihost.launch("trainer", 2, 4, str(quantized),
+                                            [*fp8, "--coding", "auto"], timeout=TIMEOUT)
   reports["rollout_fp8"] = multihost.launch("rollout", 2, 4, str(quantized),
                                             ["--name", "rollout_fp8", *fp8], timeout=TIMEOUT)
   return reports
@@ -154,3 +154,19 @@ def test_a_quantized_rollout_holds_the_qwix_codes_of_the_trainer_masters(jobs):
   assert len({r["digest"] for r in trainer + rollout}) == 1
   later = [v for v in trainer[0]["versions"] if v["version"] > 1]
   assert all(v["changed"] < 0.02 * v["elements"] for v in later)  # FP8 codes rarely flip
+
+
+def test_auto_calibrates_across_the_trainer_processes_and_they_send_one_coding(jobs):
+  """The 2-process FP8 trainer sends with ``coding="auto"``: its processes calibrate together
+  (each receiving the other's parts), every version's parts are of one coding, chosen from
+  rates equal on both processes; the rollout ends bit-identical (the test above)."""
+  trainer = jobs["trainer_fp8"]
+  first, second = (r["versions"] for r in trainer)
+  assert [v["coding"] for v in first] == [v["coding"] for v in second]
+  deltas = [v for v in first if not v["anchor"] and v["version"] > 1]
+  chosen = [v for v in deltas if v["coding_rates"] is not None]
+  assert chosen, deltas  # an RL step is representative: the codings were measured
+  assert [v["coding_rates"] for v in first] == [v["coding_rates"] for v in second]
+  for v in chosen:
+    assert set(v["coding_rates"]) == {"ranked", "positioned", "packed"}
+    assert v["coding"] in v["coding_rates"]

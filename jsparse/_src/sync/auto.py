@@ -18,9 +18,11 @@ until one is, the policy sends the fewest bytes (``ranked``), which is never far
 on a slow link. It calibrates again when the density moves by more than ``drift`` times from
 the calibrated one, and the chosen coding's bytes per change follow what its sends really
 carried. The link rate is read at every send (``Sender.link_gbit`` may change). Calibrations
-are shared by the senders of one plan in a process (:func:`measured`). A job of several
-processes does not calibrate (a throwaway sync of the whole tree needs one process): it sends
-``ranked``. The receiver is assumed to run on hardware like the sender's (its stages are timed
+are shared by the senders of one plan in a process (:func:`measured`). In a job of several
+processes every process calibrates at once, on the whole tree: each receives every process's
+part, a coding's seconds are the slowest process's and its bytes those of all parts, and
+every process sends in process 0's choice; their bytes per change follow the calibration
+alone (a process's part is not the version). The receiver is assumed to run on hardware like the sender's (its stages are timed
 here). A calibration holds two more copies of the rollout weights while it runs, one coding at
 a time.
 

@@ -40,7 +40,8 @@ from jsparse._src.options import float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value
 from jsparse._src.sync import auto, programs
-from jsparse._src.sync.parts import dense_records, part_records, processes_with
+from jsparse._src.sync.parts import (dense_records, every_part, first_process_value,
+                                     part_records, processes_with, slowest)
 from jsparse._src.sync.stream import (PartStream, produce, start_host_copies,
                                       start_segment_copies, stream_pieces)
 from jsparse._src.wire.parts import PartHeader, encode_part
@@ -293,23 +294,25 @@ class Sender:
                                           coding=coding.value, coding_rates=rates)
     if not stats.anchor:
       update = auto.Update(stats.changed, stats.elements, stats.overflowed_changes)
-      if payload_bytes is not None:
-        self._auto.observe(coding, update, payload_bytes)
+      if payload_bytes is not None and all(x.is_fully_addressable for x in self._snapshot):
+        self._auto.observe(coding, update, payload_bytes)  # (a process's part is not the version)
       self._last_update = update
 
   def _coding_for(self, anchor: bool, flat: list) -> Coding:
     """The sender's coding, or for ``"auto"`` its policy's choice (``sync/auto.py``), which
-    measures every candidate on this update when it must. An anchor, and any version of a job
-    of several processes (no throwaway sync of the whole tree there), is ``ranked``."""
+    measures every candidate on this update when it must. An anchor is ``ranked``. In a job of
+    several processes all of them calibrate together (:func:`timed_sync`) and send in process
+    0's choice (every part of a version is of one coding)."""
     if self.coding is not Coding.AUTO:
       return self.coding
-    if anchor or not all(x.is_fully_addressable for x in self._snapshot):
+    if anchor:
       self._auto.rates_used = None
       return auto.FEWEST_BYTES
     self._auto.adopt(auto.measured(self.plan), self._last_update)
     new = jax.tree.unflatten(self.plan.treedef, flat)
-    return self._auto.choose(self._last_update, lambda: auto.calibrate(
+    choice = self._auto.choose(self._last_update, lambda: auto.calibrate(
         self.plan, self.snapshot, new, timed_sync))
+    return auto.CANDIDATES[first_process_value(auto.CANDIDATES.index(choice), self._snapshot)]
 
   def _records(self, coding: Coding, changes: programs.DeviceChanges, snapshot: list,
                anchor: bool):
@@ -597,7 +600,10 @@ _TIMED_REPEATS = 2
 
 def timed_sync(coding: Coding, plan, old: Any, new: Any) -> tuple[float, int, auto.Update]:
   """Best seconds of a send and a receive of ``old`` to ``new``, the payload bytes and what
-  the update changed (what ``auto.calibrate`` measures each coding by)."""
+  the update changed (what ``auto.calibrate`` measures each coding by). In a job of several
+  processes every process calls it alike: each receives every process's part, and the
+  seconds are the slowest process's."""
+  flat = jax.tree.leaves(old)
   best, size, update = float("inf"), 0, None
   for _ in range(_TIMED_REPEATS + 1):  # the first compiles
     # Copies: a throwaway sender's diff and receiver's apply donate what they hold. At the
@@ -607,8 +613,12 @@ def timed_sync(coding: Coding, plan, old: Any, new: Any) -> tuple[float, int, au
     jax.block_until_ready((sender.snapshot, receiver.params))
     start = time.perf_counter()
     data = sender.send(new)
-    jax.block_until_ready(receiver.receive(data))
-    best, size = min(best, time.perf_counter() - start), len(data)
+    seconds = time.perf_counter() - start
+    parts = every_part(data, flat)  # (the link: not timed)
+    start = time.perf_counter()
+    jax.block_until_ready(receiver.receive(parts))
+    best = min(best, slowest(seconds + time.perf_counter() - start, flat))
+    size = sum(map(len, parts))
     stats = sender.last_stats
     update = auto.Update(stats.changed, stats.elements, stats.overflowed_changes)
     del sender, receiver

@@ -77,8 +77,8 @@ class Coding(str, enum.Enum):
   - ``AUTO``: per version, the one of the above that syncs fastest over the Sender's
     ``link_gbit``, predicted from each coding's time on the sender's tree, measured on a
     representative delta and again when the density moves (``sync/auto.py``); on payloads,
-    parts and streams alike; recorded in :attr:`SendStats.coding`. Anchors, and jobs of
-    several processes, carry ``RANKED``.
+    parts and streams alike, in jobs of several processes (process 0's choice) and delta
+    checkpoint chains; recorded in :attr:`SendStats.coding`. Anchors carry ``RANKED``.
 
   >>> import jsparse
   >>> coding = jsparse.Coding("positioned")
