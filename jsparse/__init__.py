@@ -25,7 +25,7 @@ from jsparse.errors import (ArgumentError, CheckpointError, ConfigError, Integri
 from jsparse._src.sync.receiver import ReceiveStream, Receiver
 from jsparse._src.sync.sender import SendStats, Sender
 from jsparse._src.sync.state import SyncState, abstract_sync_state
-from jsparse._src.sync.stream import PartStream
+from jsparse._src.sync.stream import Version
 from jsparse._src.wire.payload import Coding
 
 __version__ = "0.2.0.dev0"
@@ -42,8 +42,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ArgumentError", "CheckpointError", "Coding", "ConfigError", "Delta", "DeltaCheckpointManager",
-    "IntegrityError", "JsparseError", "LeafSpec", "PartStream", "PayloadError", "Plan",
+    "IntegrityError", "JsparseError", "LeafSpec", "PayloadError", "Plan",
     "PlanError", "PlanMismatchError", "ReceiveStream", "Receiver", "SaveInfo", "Segment",
-    "SendStats", "Sender", "SyncState",
+    "SendStats", "Sender", "SyncState", "Version",
     "VersionError", "abstract_sync_state", "apply", "bits_digest", "diff", "errors", "make_plan",
 ]

@@ -65,7 +65,8 @@ def test_parts_are_exact_across_layouts_codings_and_overflow(trainer, rollout, c
 
 
 def test_one_call_takes_every_form_of_a_version(tmp_path):
-  """A version of one part, as bytes, as an mmap of a file, in a list or a tuple."""
+  """A version of one part, as bytes, as an mmap of a file, in a list or a tuple; one of three
+  parts joined in one file."""
   base, plan, sender, _, _ = _setup("fsdp8", "single", capacity=0.1)
   rng = np.random.default_rng(3)
   new = {k: strategies.nudge_leaf(rng, v, 0.03) for k, v in base.items()}
@@ -75,6 +76,12 @@ def test_one_call_takes_every_form_of_a_version(tmp_path):
     for data in (part, m, [part], (m,)):
       receiver = jsparse.Receiver(plan, plan.cast(place(base, "single")))
       assert_trees_bitwise_equal(receiver.receive(data), plan.cast(new))
+  (tmp_path / "joined").write_bytes(b"".join(split(plan, part, 3)))
+  with open(tmp_path / "joined", "rb") as f, mmap.mmap(f.fileno(), 0,
+                                                        access=mmap.ACCESS_READ) as m:
+    receiver = jsparse.Receiver(plan, plan.cast(place(base, "single")))
+    assert_trees_bitwise_equal(receiver.receive(m), plan.cast(new))
+    assert receiver.last_read.parts == 3
 
 
 @pytest.mark.parametrize("coding", ["ranked", "packed"])

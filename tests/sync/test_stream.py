@@ -55,12 +55,42 @@ def test_stream_versions_are_exact_and_parts_are_bounded(coding):
       assert max(len(p) for p in parts) <= CHUNK + 200
 
 
-def test_a_streamed_version_is_also_received_whole():
+def test_a_streamed_version_is_also_received_whole_or_joined():
+  """As the list of its parts, or as one payload (``Version.join``; parts joined in any order,
+  as the payloads of several trainer processes are)."""
   rng = np.random.default_rng(1)
   params, plan, sender, receiver = _setup(rng)
+  start = plan.cast(params)
   params = _perturb(rng, params, 0.03)
-  parts = list(sender.send_stream(params, chunk_bytes=CHUNK))
-  assert_trees_bitwise_equal(receiver.receive(parts), plan.cast(params))
+  version = sender.send_stream(params, chunk_bytes=CHUNK)
+  first = next(version)
+  rest = version.join()  # the parts not yet iterated
+  parts = [first, *map(bytes, parts_wire.split_parts(rest))]
+  assert len(parts) == version.parts > 2 and b"".join(parts[1:]) == rest
+  for data in (parts, b"".join(parts), b"".join(reversed(parts)),
+               bytearray(b"".join(parts[1:] + parts[:1]))):
+    receiver = jsparse.Receiver(plan, start)
+    assert_trees_bitwise_equal(receiver.receive(data), plan.cast(params))
+    assert receiver.digest == sender.digest and receiver.last_read.parts == len(parts)
+
+
+@pytest.mark.parametrize("fault", ["missing", "truncated", "extended", "repeated", "corrupt"])
+def test_a_bad_joined_payload_is_refused_and_changes_nothing(fault):
+  rng = np.random.default_rng(5)
+  params, plan, sender, receiver = _setup(rng)
+  before, version = plan.cast(params), receiver.version
+  parts = list(sender.send_stream(_perturb(rng, params, 0.02), chunk_bytes=CHUNK))
+  joined = {"missing": b"".join(parts[:1] + parts[2:]),
+            "truncated": b"".join(parts)[:-7],
+            "extended": b"".join(parts) + bytes(40),
+            "repeated": b"".join(parts + parts[1:2]),
+            "corrupt": b"".join(parts[:1] + [_corrupt(parts[1])] + parts[2:])}[fault]
+  message = {"missing": "missing", "truncated": "truncated", "extended": "not a part",
+             "repeated": "repeated", "corrupt": "checksum"}[fault]
+  with pytest.raises(jsparse.PayloadError, match=message):
+    receiver.receive(joined)
+  assert receiver.version == version
+  assert_trees_bitwise_equal(receiver.params, before)
 
 
 @pytest.mark.parametrize("trainer, rollout, coding", [(*PAIRS[4], "ranked"),

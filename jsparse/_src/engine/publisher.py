@@ -46,7 +46,7 @@ from jsparse._src.errors import ConfigError, FencedError, PartsLostError, Stalen
 from jsparse._src.options import feed_argument, float_option, int_option, typed_argument
 from jsparse._src.pytree import PyTree
 from jsparse._src.sync.sender import Sender, anchor_due
-from jsparse._src.sync.stream import PartStream
+from jsparse._src.sync.stream import Version
 
 
 class Publisher:
@@ -272,7 +272,7 @@ class Publisher:
         return
       time.sleep(0.02)
 
-  def _put_stream(self, stream: PartStream) -> Entry:
+  def _put_stream(self, stream: Version) -> Entry:
     """Puts each part of a streamed version as it is produced, under the entry it really is;
     every process of the trainer returns, or all raise (see :meth:`publish`)."""
     entry = Entry(stream.version, "anchor" if stream.anchor else "delta",

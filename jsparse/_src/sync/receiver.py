@@ -39,6 +39,7 @@ from jsparse._src.sync import programs, staging
 from jsparse._src.sync.state import (SyncState, check_digest, check_state, check_version,
                                      digest_bytes, digest_words, state_run,
                                      versioned_digest)
+from jsparse._src.wire.parts import split_parts
 from jsparse._src.wire.payload import (Kind, Mode, Payload, SegmentPayload,
                                        ranked_segments)
 
@@ -159,6 +160,7 @@ class Receiver:
     ``data`` is what the sender sent of the version, in any of its forms: the bytes of
     :meth:`Sender.send` of a one-process trainer (a version of one part), a list or tuple of
     every part of the version (one per trainer process, or a :meth:`Sender.send_stream`'s),
+    the parts as one payload (:meth:`Version.join`; several processes' joined, in any order),
     or a decoded ``Payload`` (what a delta checkpoint restores). A part may be ``bytes`` or
     anything with ``len`` and slicing (e.g. an ``mmap`` of a file): of each part this reads
     its index, then only the units that overlap the blocks this process holds
@@ -193,7 +195,7 @@ class Receiver:
                           f"{type(data).__name__}")
     if not _bytes_like(data):  # a sequence of parts
       return self._apply_parts(data)
-    return self._apply_parts([data])  # a version of one part
+    return self._apply_parts(split_parts(data))  # one part, or several joined
 
   @mesh_neutral
   def _apply_records(self, header: Payload, records: Iterable[SegmentPayload]) -> PyTree:

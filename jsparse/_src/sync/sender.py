@@ -42,7 +42,7 @@ from jsparse._src.core.units import local_value
 from jsparse._src.sync import auto, programs
 from jsparse._src.sync.parts import (dense_records, every_part, first_process_value,
                                      part_records, processes_with, slowest)
-from jsparse._src.sync.stream import (PartStream, produce, start_host_copies,
+from jsparse._src.sync.stream import (Version, produce, start_host_copies,
                                       start_segment_copies, stream_pieces)
 from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (RUN_BYTES, SyncState, check_digest, check_state,
@@ -259,8 +259,9 @@ class Sender:
     process per host, params spanning them) every process calls it with the same arguments
     and gets its own part, coded from the blocks it holds (a leaf held whole by several
     processes is sent by one of them); the parts of all processes together are the version,
-    and a receiver takes them as a list. To ship a large version as it is coded, a few parts
-    per process, use :meth:`send_stream`.
+    and a receiver takes them as a list, or joined. It is :meth:`send_stream` in one part per
+    process, joined (:meth:`Version.join`): to ship a large version as it is coded, a few
+    parts per process, use :meth:`send_stream` itself.
 
     Args:
       params: the new params (trainer or rollout dtypes, the plan's structure and shapes).
@@ -280,8 +281,7 @@ class Sender:
     >>> float(receiver.receive(data)['w'][5]), sender.last_stats.payload_bytes == len(data)
     (1.0, True)
     """
-    (part,) = self.send_stream(params, anchor=anchor, version=version, chunk_bytes=WHOLE)
-    return part
+    return self.send_stream(params, anchor=anchor, version=version, chunk_bytes=WHOLE).join()
 
   def _finish(self, payload_bytes: int | None, coding: Coding) -> None:
     """Completes ``last_stats`` once a version is all out (``payload_bytes``: None for decoded
@@ -368,11 +368,11 @@ class Sender:
                    head.new_digest, segments)
 
   def send_stream(self, params: PyTree, *, anchor: bool = False, version: int | None = None,
-                  chunk_bytes: int = 64 << 20) -> PartStream:
+                  chunk_bytes: int = 64 << 20) -> Version:
     """The next version as a stream of parts, each covering at most ``chunk_bytes`` of rollout
     data (a larger leaf is a part alone): ship each part as it comes, while the next ones are
     coded (on ``JSPARSE_THREADS`` threads) and the device still diffs. Returns a
-    :class:`PartStream` (an iterator of the part bytes, with their numbers). A receiver checks and
+    :class:`Version` (an iterator of the part bytes, with their numbers). A receiver checks and
     decodes each part as it arrives (:meth:`Receiver.open_stream`) and applies the version
     when all have arrived; :meth:`Receiver.receive` takes them all at once. Peak host
     memory is a few parts, not the model, even for an anchor.
@@ -409,7 +409,7 @@ class Sender:
         done, None if anchor or coding.format == Format.PACKED
         else functools.partial(start_host_copies, changes))  # packed: the device packs
 
-  def anchor_stream(self, *, chunk_bytes: int = 64 << 20) -> PartStream:
+  def anchor_stream(self, *, chunk_bytes: int = 64 << 20) -> Version:
     """An anchor of the *current* version (the snapshot, every unit dense) as a stream of parts
     of at most ``chunk_bytes`` of rollout data each, without moving to a new version: what a
     publisher offers next to a delta, for rollouts that fell behind or lost their state, with
@@ -452,7 +452,7 @@ class Sender:
     return self._pieces[chunk_bytes]
 
   def _part_stream(self, head: PartHeader, pieces: list, per_process: int,
-                   records_of, done=None, prefetch=None) -> PartStream:
+                   records_of, done=None, prefetch=None) -> Version:
     """This process's parts of the version ``head`` states, piece ``k`` coded from
     ``records_of(piece)`` as part ``process * per_process + k`` (see :func:`stream.produce`)."""
     head = dataclasses.replace(head, parts=per_process * jax.process_count())
@@ -464,7 +464,7 @@ class Sender:
       return encode_part(self.plan, dataclasses.replace(head, part=first + k), piece,
                          records_of(piece), threads=threads)
 
-    return PartStream(range(first, first + per_process), head.parts,
+    return Version(range(first, first + per_process), head.parts,
                       produce(pieces, encode, done or (lambda total: None), prefetch),
                       version=head.version, base_version=head.base_version,
                       anchor=head.kind == Kind.ANCHOR)

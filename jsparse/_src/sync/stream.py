@@ -59,9 +59,12 @@ def stream_pieces(plan: Plan, snapshot: Sequence[jax.Array], chunk_bytes: int
   return mine + [()] * (count - len(mine)), count
 
 
-class PartStream:
-  """This process's parts of one version, produced as they are iterated (from
-  :meth:`~jsparse.Sender.send_stream`).
+class Version:
+  """One version as a sender sends it: this process's parts of it, produced as they are
+  iterated (coded ahead on a thread pool while the device copies and the link move the parts
+  before), from :meth:`~jsparse.Sender.send_stream` and :meth:`~jsparse.Sender.anchor_stream`.
+  :meth:`join` makes them one payload; :meth:`~jsparse.Sender.send` returns that of a version
+  of one part.
 
   Attributes:
     parts: how many parts the version has (all processes together).
@@ -86,11 +89,28 @@ class PartStream:
     self.version, self.base_version, self.anchor = version, base_version, anchor
     self._produced = produced
 
-  def __iter__(self) -> "PartStream":
+  def __iter__(self) -> "Version":
     return self
 
   def __next__(self) -> bytes:
     return next(self._produced)
+
+  def join(self) -> bytes:
+    """The parts not yet iterated as one payload (the version's, if none was): what
+    :meth:`~jsparse.Receiver.receive` takes like the list of the parts. In a job of several
+    processes each joins its own parts; the processes' payloads joined, in any order, are
+    the version's.
+
+    >>> import jax.numpy as jnp, jsparse
+    >>> params = {'a': jnp.zeros(70000), 'b': jnp.zeros(70000)}
+    >>> plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+    >>> sender, receiver = jsparse.Sender(plan, params), jsparse.Receiver(plan, plan.cast(params))
+    >>> version = sender.send_stream({'a': jnp.ones(70000), 'b': params['b']}, chunk_bytes=150_000)
+    >>> payload = version.join()
+    >>> version.parts, float(receiver.receive(payload)['a'][0])
+    (2, 1.0)
+    """
+    return b"".join(self)
 
   def close(self) -> None:
     """Stops producing (the sender then sends an anchor next)."""

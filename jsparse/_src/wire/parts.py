@@ -152,6 +152,58 @@ def _slice(data, start: int, stop: int, what: str) -> bytes:
   return bytes(data[start:stop])
 
 
+def _part_length(data, start: int) -> int:
+  """Bytes of the part that begins at ``start`` of ``data``, from its header and unit table
+  (checksummed): at most what is left of ``data`` (a truncated part is then named by
+  :func:`read_index`)."""
+  if bytes(data[start:start + len(MAGIC)]) != MAGIC:
+    if start:
+      raise PayloadError(f"the {len(data) - start} bytes after byte {start} are not a part: a "
+                         "payload is one part or several joined, nothing else")
+    return len(data)  # not a part: read_index names what it is
+  head = _slice(data, start, start + HEADER.size, "the header")
+  num_units, table_len = HEADER.unpack(head)[-2:]
+  table_end = start + HEADER.size + table_len
+  table = _slice(data, start + HEADER.size, table_end, "the unit table")
+  (crc,) = _CRC.unpack(_slice(data, table_end, table_end + _CRC.size, "the table checksum"))
+  if zlib.crc32(head + table) != crc:
+    raise PayloadError(f"part header checksum mismatch at byte {start}: corrupted or truncated")
+  reader, bodies = Reader(table), 0
+  for _ in range(num_units):
+    *_, length, _, num_runs = ENTRY.unpack(reader.take(ENTRY.size, "a unit entry"))
+    reader.take(RUN.size * num_runs, "a unit's blocks")
+    bodies += length
+  return min(HEADER.size + table_len + _CRC.size + bodies, len(data) - start)
+
+
+def split_parts(data) -> list:
+  """The parts in ``data``: one part, or several parts joined (:meth:`jsparse.Version.join`, in
+  any order), as zero-copy slices where ``data`` has a buffer (``bytes``, an ``mmap``). Each
+  part's bytes are found from its header and unit table; :func:`read_index` checks each.
+
+  >>> import jax.numpy as jnp, jsparse
+  >>> plan = jsparse.make_plan({'a': jnp.zeros(70000), 'b': jnp.zeros(70000)})
+  >>> version = jsparse.Sender(plan, {'a': jnp.zeros(70000), 'b': jnp.zeros(70000)}).send_stream(
+  ...     {'a': jnp.ones(70000), 'b': jnp.ones(70000)}, chunk_bytes=300_000)
+  >>> parts = list(version)
+  >>> [len(p) for p in split_parts(b"".join(parts))] == [len(p) for p in parts]
+  True
+  """
+  try:
+    view = memoryview(data)
+  except TypeError:
+    view = data
+  first = _part_length(view, 0)
+  if first == len(view):
+    return [data]
+  parts, start = [], 0
+  while start < len(view):
+    end = start + _part_length(view, start)
+    parts.append(view[start:end])
+    start = end
+  return parts
+
+
 def read_index(plan: Plan, data) -> PartIndex:
   """Reads and checks a part's header and table from ``data`` (bytes, or anything with
   ``len`` and slicing, e.g. an ``mmap``: only the header and table are read).
