@@ -14,6 +14,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jsparse
+from jsparse._src.core.bits import np_to_bits
+from jsparse._src.wire import parts as parts_wire
+from jsparse._src.wire.payload import Mode
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
 
@@ -43,17 +46,15 @@ def _sharded(tree, mesh_shape, names, specs):
   return {k: NamedSharding(mesh, specs.get(k, P())) for k in tree}
 
 
-@pytest.mark.parametrize("coding, delta", [("positioned", "delta"), ("packed", "parts"),
-                                           ("auto", "parts")])
-def test_chain_restores_every_step_exactly_with_rebasing_onto_another_mesh(tmp_path, coding,
-                                                                           delta):
+@pytest.mark.parametrize("coding", ["positioned", "packed", "auto"])
+def test_chain_restores_every_step_exactly_with_rebasing_onto_another_mesh(tmp_path, coding):
   trees = _steps(0, 9)
   trainer = _sharded(trees[0], (8,), ("fsdp",), {"w": P("fsdp", None), "emb": P("fsdp", None)})
   trees = [{k: jax.device_put(v, trainer[k]) for k, v in t.items()} for t in trees]
   plan = _plan(trees[0])
   with jsparse.DeltaCheckpointManager(tmp_path, plan, rebase_every=3, coding=coding) as chain:
     kinds = [chain.save(step, t).kind for step, t in enumerate(trees)]
-    assert kinds == ["base", delta, delta, delta] * 2 + ["base"]
+    assert kinds == ["base", "delta", "delta", "delta"] * 2 + ["base"]
     assert chain.chain(6) == [4, 5, 6]
     rollout = _sharded(trees[0], (2, 4), ("data", "tensor"),
                        {"w": P(None, "tensor"), "emb": P("tensor", None)})
@@ -72,7 +73,9 @@ def test_deltas_are_small_and_overflow_goes_dense(tmp_path):
     stats = [chain.save(step, t) for step, t in enumerate(trees)]
     assert [s.kind for s in stats] == ["base", "delta", "delta", "delta"]
     w_segment = plan.leaf_segment()[[l.path for l in plan.leaves].index("['w']")][0]
-    assert chain.meta(3)["modes"][w_segment] == "dense"
+    (part,) = _stored_parts(chain, 3)
+    modes = {e.unit.segment: e.mode for e in parts_wire.read_index(plan, part).entries}
+    assert modes[w_segment] == Mode.DENSE
     assert_trees_bitwise_equal(chain.restore(3), plan.cast(trees[3]))
   assert stats[1].bytes < stats[0].bytes
 
@@ -92,16 +95,15 @@ def test_retention_never_deletes_what_a_kept_step_needs(tmp_path):
       assert_trees_bitwise_equal(chain.restore(step), plan.cast(trees[step]))
 
 
-@pytest.mark.parametrize("coding, delta", [("positioned", "delta"), ("packed", "parts"),
-                                           ("auto", "parts")])
-def test_reopened_manager_continues_the_chain(tmp_path, coding, delta):
+@pytest.mark.parametrize("coding", ["positioned", "packed", "auto"])
+def test_reopened_manager_continues_the_chain(tmp_path, coding):
   trees = _steps(3, 6)
   plan = _plan(trees[0])
   with jsparse.DeltaCheckpointManager(tmp_path, plan, coding=coding) as chain:
     for step in range(3):
       chain.save(step, trees[step])
   with jsparse.DeltaCheckpointManager(tmp_path, plan, coding=coding) as chain:
-    assert chain.save(3, trees[3]).kind == delta
+    assert chain.save(3, trees[3]).kind == "delta"
     with pytest.raises(jsparse.CheckpointError, match="newer"):
       chain.save(3, trees[3])
     chain.save(5, trees[5])
@@ -110,8 +112,16 @@ def test_reopened_manager_continues_the_chain(tmp_path, coding, delta):
       assert_trees_bitwise_equal(chain.restore(step), plan.cast(trees[step]))
 
 
+def _stored_parts(chain, step: int) -> list[bytes]:
+  """The parts a delta step stores, as saved."""
+  lengths = chain.meta(step)["lengths"]
+  target = ocp.args.StandardRestore({"bytes": np.zeros((len(lengths), max(lengths)), np.uint8)})
+  rows = chain._restore_item(step, "parts", target)["bytes"]
+  return [np.asarray(row[:n]).tobytes() for row, n in zip(rows, lengths)]
+
+
 def _delta_files(root: Path, step: int) -> list[Path]:
-  return [f for f in (root / str(step) / "delta").rglob("*") if f.is_file() and f.stat().st_size]
+  return [f for f in (root / str(step) / "parts").rglob("*") if f.is_file() and f.stat().st_size]
 
 
 def test_missing_or_corrupted_delta_is_named_never_a_wrong_restore(tmp_path):
@@ -290,7 +300,7 @@ def pristine_chain(tmp_path_factory):
 
 
 _FIELDS = ["jsparse_chain", "step", "plan", "kind", "digest", "changed", "base", "parent",
-           "parent_digest", "modes", "counts"]
+           "parent_digest", "lengths"]
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 10) | st.text(max_size=20),
                      lambda inner: st.lists(inner, max_size=3), max_leaves=5)
 
@@ -402,7 +412,7 @@ def test_an_auto_chain_stores_each_delta_in_the_coding_its_policy_chose(tmp_path
     rates = chain._sender.last_stats.coding_rates
     for step, tree in enumerate(trees):
       assert_trees_bitwise_equal(chain.restore(step), plan.cast(tree))
-  assert [i.kind for i in infos] == ["base", "parts", "parts", "parts"]
+  assert [i.kind for i in infos] == ["base", "delta", "delta", "delta"]
   assert infos[0].coding is None
   changes = infos[-2].changed  # the policy predicts from the delta before
   predicted = {c: seconds + changes * per_change * 8 / (link_gbit * 1e9)
@@ -411,3 +421,43 @@ def test_an_auto_chain_stores_each_delta_in_the_coding_its_policy_chose(tmp_path
   if link_gbit < 1e-3:
     fewest = min(rates, key=lambda c: rates[c][1])
     assert infos[-1].coding == fewest
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_a_chain_of_an_older_jsparse_restores_exactly(tmp_path):
+  """A chain whose delta steps are arrays of a positioned payload (as jsparse 0.2 development
+  versions stored them; its steps: a base, a sparse delta, one in which ``w`` overflowed, a
+  sparse delta) restores bit-exactly, and a manager continues it with a delta of parts."""
+  import shutil
+  shutil.copytree(DATA / "chain_arrays", tmp_path / "chain")
+  expected = np.load(DATA / "chain_arrays_expected.npz")
+  # The shapes, dtypes and options of the chain's plan.
+  tree = {"w": np.zeros((64, 48), np.float32), "b": np.zeros(48, np.float32),
+          "i": np.zeros(40, np.int32)}
+  plan = jsparse.make_plan(jax.tree.map(jnp.asarray, tree), rollout_dtype=jnp.bfloat16,
+                           capacity=0.05, bucket_size=1024)
+  with jsparse.DeltaCheckpointManager(tmp_path / "chain", plan) as chain:
+    assert [chain.meta(s)["kind"] for s in range(4)] == ["base", "delta", "delta", "delta"]
+    assert "modes" in chain.meta(1)  # the older arrays
+    for step in range(4):
+      restored = chain.restore(step)
+      for k, x in restored.items():
+        np.testing.assert_array_equal(np_to_bits(np.asarray(x)), expected[f"{step}/{k}"])
+    nxt = {k: v.astype(np.float32) if v.dtype == jnp.bfloat16 else v
+           for k, v in chain.restore(3).items()}
+    nxt["w"] = nxt["w"].at[0, :5].add(1.0)
+    info = chain.save(4, nxt)
+    assert info.kind == "delta" and "lengths" in chain.meta(4) and chain.chain(4) == [0, 1, 2,
+                                                                                   3, 4]
+    assert_trees_bitwise_equal(chain.restore(4), plan.cast(nxt))
+
+
+def test_a_relative_directory_is_taken_as_from_the_working_directory(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  trees = _steps(12, 2)
+  plan = _plan(trees[0])
+  with jsparse.DeltaCheckpointManager("chains/run", plan) as chain:
+    assert [chain.save(s, t).kind for s, t in enumerate(trees)] == ["base", "delta"]
+  assert (tmp_path / "chains" / "run" / "1").is_dir()

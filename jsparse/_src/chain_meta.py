@@ -22,11 +22,12 @@ from typing import Any
 from jsparse._src.core.plan import Plan
 from jsparse._src.errors import CheckpointError, ForeignPlanError
 from jsparse._src.wire.parts import MAX_PARTS
-from jsparse._src.wire.payload import Mode, Payload
+from jsparse._src.wire.payload import Mode
 
 FORMAT = 3
-MODES = {Mode.EMPTY: "empty", Mode.BY_POSITION: "sparse", Mode.DENSE: "dense"}
-MODE_IDS = {name: mode for mode, name in MODES.items()}
+# The records of a "delta" step (arrays of a positioned payload), which chains stored before
+# they stored parts: still read.
+MODE_IDS = {"empty": Mode.EMPTY, "sparse": Mode.BY_POSITION, "dense": Mode.DENSE}
 
 
 def _crc(meta: dict) -> int:
@@ -49,20 +50,11 @@ def base_meta(plan: Plan, *, step: int, digest: bytes) -> dict:
                       parent=None))
 
 
-def delta_meta(plan: Plan, payload: Payload, *, base: int, changed: int) -> dict:
-  """The metadata of a delta step: ``payload`` (position-coded) turns its parent into it."""
-  return _sealed(dict(_common(plan, payload.version, "delta", payload.new_digest, changed),
-                      base=base, parent=payload.base_version,
-                      parent_digest=payload.base_digest.hex(),
-                      modes=[MODES[p.mode] for p in payload.segments],
-                      counts=[p.count for p in payload.segments]))
-
-
 def parts_meta(plan: Plan, *, step: int, parent: int, base: int, parent_digest: bytes,
                digest: bytes, changed: int, lengths: list[int]) -> dict:
-  """The metadata of a step saved by a multi-process job: the parts of the payload from its
-  parent (one per process, ``lengths`` bytes each)."""
-  return _sealed(dict(_common(plan, step, "parts", digest, changed), base=base, parent=parent,
+  """The metadata of a delta step: the parts of the version from its parent (one per process
+  of the job that saved it, ``lengths`` bytes each)."""
+  return _sealed(dict(_common(plan, step, "delta", digest, changed), base=base, parent=parent,
                       parent_digest=parent_digest.hex(), lengths=lengths))
 
 
@@ -111,13 +103,13 @@ def check(meta: Any, step: int, plan: Plan) -> dict:
     raise bad(f"parent {parent!r} and base {base!r} must be earlier steps")
   if not _is_digest(meta.get("parent_digest")):
     raise bad("parent digest")
-  if meta["kind"] == "parts":
+  if meta["kind"] == "parts" or "lengths" in meta:  # parts ("parts": as older chains said)
     lengths = meta.get("lengths")
     if not (isinstance(lengths, list) and 0 < len(lengths) <= MAX_PARTS
             and all(_is_int(n) and 0 < n < 2**40 for n in lengths)):
       raise bad("lengths of the parts")
     return meta
-  modes, counts = meta.get("modes"), meta.get("counts")
+  modes, counts = meta.get("modes"), meta.get("counts")  # arrays, as older chains stored
   if not (isinstance(modes, list) and isinstance(counts, list)
           and len(modes) == len(counts) == len(plan.segments)):
     raise bad("modes and counts must have one entry per segment of the plan")

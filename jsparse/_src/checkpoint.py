@@ -2,19 +2,16 @@
 
 Every step is an ordinary Orbax checkpoint, written by ``ocp.CheckpointManager`` with its atomic
 commit: a *base* step holds the full tree in rollout dtypes (``params``), a *delta* step holds
-only what changed since the step before it (``delta``: plain arrays of a
-:class:`~jsparse.Sender` payload coded ``"positioned"``, so that any target sharding can apply
-it block by block: position gaps and ulp codes, which Orbax's compression shrinks to ~1.5 bytes
-per change). Both carry a small JSON ``meta`` item: the step the delta
-applies to, the chain's base, the plan fingerprint and the 64-bit digest of the bit patterns
-after the step. In a multi-controller job (params spanning processes) every process calls
-``save`` and ``restore``; a delta step then holds each process's payload part
-(:meth:`~jsparse.Sender.send`) as one row of a byte array (kind ``"parts"``), and any
-process count restores it. A chain with ``coding="packed"`` stores its deltas as parts too,
-bit-packed on the devices; one with ``coding="auto"`` as parts in the coding that its
-sender's policy chose for each step. Restoring step ``s`` restores its base onto the shardings asked for, then applies
-the deltas in order, checking every digest, so a restore is bit-exact or an error that names the
-step at fault.
+only what changed since the step before it: the version a :class:`~jsparse.Sender` sends
+(``parts``: each process's part of it, :meth:`~jsparse.Sender.send`, as one row of a byte
+array), in the chain's coding (for ``"auto"``, the one chosen for the step). Both carry a small
+JSON ``meta`` item: the step the delta applies to, the chain's base, the plan fingerprint and
+the 64-bit digest of the bit patterns after the step. In a multi-controller job (params
+spanning processes) every process calls ``save`` and ``restore``, and any process count
+restores what any process count saved, onto any sharding. Restoring step ``s`` restores its
+base onto the shardings asked for, then applies the deltas in order, checking every digest, so
+a restore is bit-exact or an error that names the step at fault. Chains that older versions of
+jsparse wrote (delta steps as arrays of a positioned payload) are restored too.
 
 >>> import tempfile, jax.numpy as jnp, jsparse
 >>> params = {'w': jnp.zeros((1000,), jnp.float32)}
@@ -53,7 +50,6 @@ from jsparse._src.wire.payload import (Coding, Kind, Mode, Payload, SegmentPaylo
                                        check_records)
 
 
-# Delta steps as Orbax arrays of a positioned payload, or as packed parts.
 _CHECKPOINT_CODINGS = (Coding.POSITIONED, Coding.PACKED, Coding.AUTO)
 
 
@@ -62,9 +58,7 @@ class SaveInfo(NamedTuple):
 
   Attributes:
     step: the saved step.
-    kind: ``"base"`` (the full tree), ``"delta"`` (the changes since the step before) or
-      ``"parts"`` (the same as payload parts: one per process of a multi-process job, or a
-      chain with ``coding="packed"`` or ``"auto"``).
+    kind: ``"base"`` (the full tree) or ``"delta"`` (the changes since the step before).
     changed: elements that changed since the step before (a base: every element).
     bytes: the step's bytes on disk.
     coding: the coding of a delta step's changes (with ``coding="auto"``: the one chosen for
@@ -86,24 +80,12 @@ class SaveInfo(NamedTuple):
   coding: str | None = None
 
 
-def payload_arrays(plan: Plan, payload: Payload) -> dict[str, Any]:
-  """A position-coded compact payload as plain arrays: ``gaps`` (int32: per sparse segment, the
-  first position, then each position minus the previous one minus 1; small numbers that Orbax's
-  compression shrinks) and ``values`` (one array per bit dtype, in segment order: ulp codes of
-  sparse segments, bits of dense ones). Each array ends with one padding element: Orbax refuses
-  zero-size arrays."""
-  gaps = [np.diff(p.indices.astype(np.int64), prepend=-1).astype(np.int32) - 1
-          for p in payload.segments if p.mode == Mode.BY_POSITION]
-  values: dict[str, list[np.ndarray]] = {}
-  for seg, part in zip(plan.segments, payload.segments):
-    values.setdefault(seg.bit_dtype.name, []).append(np.asarray(part.values, seg.bit_dtype))
-  pad = lambda parts, dtype: np.concatenate(parts + [np.zeros(1, dtype)])
-  return {"gaps": pad(gaps, np.int32),
-          "values": {name: pad(parts, np.dtype(name)) for name, parts in values.items()}}
-
-
 def _payload_from_arrays(plan: Plan, meta: dict, arrays: dict) -> Payload:
-  """Inverse of :func:`payload_arrays`, given the modes and counts kept in ``meta``."""
+  """The payload of a ``"delta"`` step (what jsparse wrote before its chains stored parts):
+  ``gaps`` (int32: per sparse segment, the first position, then each position minus the
+  previous one minus 1) and ``values`` (per bit dtype, in segment order: ulp codes of sparse
+  segments, bits of dense ones), each padded with one element, read with the modes and counts
+  kept in ``meta``."""
   gaps, values = arrays["gaps"], arrays["values"]
   if np.any(gaps < 0):
     raise CheckpointError(f"step {meta['step']}: negative position gaps (corrupted)")
@@ -136,12 +118,6 @@ def _delta_target(plan: Plan, meta: dict) -> dict[str, Any]:
           "values": {k: np.zeros(n, np.dtype(k)) for k, n in num_values.items()}}
 
 
-def spans_processes(tree: PyTree) -> bool:
-  """Whether some leaf of ``tree`` spans devices of several processes."""
-  return any(isinstance(x, jax.Array) and not x.is_fully_addressable
-             for x in jax.tree.leaves(tree))
-
-
 def _rows_of_parts(part: bytes) -> tuple[jax.Array, list[int]]:
   """Every process's ``part`` as row ``process`` of one ``uint8[processes, longest]`` global
   array (what Orbax saves from every process), and the parts' lengths."""
@@ -166,10 +142,10 @@ class DeltaCheckpointManager:
     rebase_every: a delta chain holds at most this many deltas, then the next save is a base.
     max_to_keep: keep the newest ``max_to_keep`` steps restorable (None: all); a base or a delta
       that a kept step needs is never deleted.
-    coding: how delta steps are coded: ``"positioned"`` (the default: plain arrays that Orbax
-      compresses), ``"packed"`` (bit-packed on the device, stored as payload parts: no
-      per-change work on the host, ~1 B per change), or ``"auto"`` (per step, the coding that
-      stores fastest at ``link_gbit``, stored as payload parts); see :class:`~jsparse.Coding`.
+    coding: how delta steps are coded: ``"positioned"`` (the default: the least work on
+      either side), ``"packed"`` (bit-packed on the devices: no per-change work on the host,
+      the fewest bytes), or ``"auto"`` (per step, the coding that stores fastest at
+      ``link_gbit``); see :class:`~jsparse.Coding`.
     link_gbit: for ``coding="auto"``, the storage's write bandwidth in Gbit/s.
 
   Saves are synchronous: ``save`` returns once the step is committed. A manager reopened on an
@@ -197,7 +173,7 @@ class DeltaCheckpointManager:
     self.link_gbit = float_option("link_gbit", link_gbit, minimum=1e-6)
     self.rebase_every = int_option("rebase_every", rebase_every, minimum=0)
     self.max_to_keep = int_option("max_to_keep", max_to_keep, minimum=1, optional=True)
-    self.directory = Path(directory)
+    self.directory = Path(directory).absolute()  # (Orbax refuses a relative path)
     self.plan = plan
     self._manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(
@@ -228,7 +204,8 @@ class DeltaCheckpointManager:
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
 
   def meta(self, step: int) -> dict:
-    """The JSON metadata of a step: ``kind`` ("base", "delta" or "parts"), ``base``, ``parent`` ...
+    """The JSON metadata of a step: ``kind`` ("base" or "delta"; "parts" in older chains),
+    ``base``, ``parent`` ...
 
     Raises:
       CheckpointError: the step is missing or its metadata unreadable.
@@ -288,7 +265,7 @@ class DeltaCheckpointManager:
       items = {"params": ocp.args.StandardSave(storable(self.plan, sender.snapshot))}
       if not self.plan.leaves:
         items = {}  # Orbax refuses an empty item; the meta says it all
-    elif spans_processes(params) or self.coding is not Coding.POSITIONED:
+    else:  # the version's parts, one per process
       parent, parent_digest = sender.version, sender.digest
       part = sender.send(params, version=step)
       rows, lengths = _rows_of_parts(part)
@@ -297,11 +274,6 @@ class DeltaCheckpointManager:
                                    digest=sender.digest, changed=sender.last_stats.changed,
                                    lengths=lengths)
       items = {"parts": ocp.args.StandardSave({"bytes": rows})}
-    else:
-      payload = sender._decoded_version(params, version=step)
-      meta = chain_meta.delta_meta(self.plan, payload, changed=sender.last_stats.changed,
-                                   base=self.meta(payload.base_version)["base"])
-      items = {"delta": ocp.args.StandardSave(payload_arrays(self.plan, payload))}
     self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items),
                        force=True)
     self._manager.wait_until_finished()
@@ -339,12 +311,13 @@ class DeltaCheckpointManager:
     for s in steps[1:]:
       meta = self.meta(s)
       try:
-        if meta["kind"] == "parts":
+        if "lengths" in meta:  # the version's parts (every step this jsparse writes)
           rows = np.zeros((len(meta["lengths"]), max(meta["lengths"])), np.uint8)
           rows = self._restore_item(s, "parts", ocp.args.StandardRestore({"bytes": rows}))
           receiver.receive([np.asarray(row[:n]).tobytes()
                             for row, n in zip(rows["bytes"], meta["lengths"])])
           continue
+        # Arrays of a positioned payload, which chains stored before they stored parts.
         target = ocp.args.StandardRestore(_delta_target(self.plan, meta))
         arrays = self._restore_item(s, "delta", target)
         receiver.receive(check_records(self.plan, _payload_from_arrays(self.plan, meta, arrays)))

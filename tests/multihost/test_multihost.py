@@ -130,11 +130,11 @@ def test_a_delta_checkpoint_chain_saved_by_two_processes_restores_in_one(jobs):
   trainer = jobs["trainer"]
   for r in trainer:
     assert [(c["step"], c["kind"]) for c in r["chain"]] == \
-        [(1, "base")] + [(v, "parts") for v in range(2, 7)]
+        [(1, "base")] + [(v, "delta") for v in range(2, 7)]
   delta_bytes = trainer[0]["chain"][1]["bytes"]
   assert delta_bytes < 0.2 * trainer[0]["chain"][0]["bytes"], trainer[0]["chain"]
   restored = jobs["restored"][0]["chain_restored"]  # bits checked against the trainer's
-  assert restored == {"step": 6, "kinds": ["base"] + ["parts"] * 5}
+  assert restored == {"step": 6, "kinds": ["base"] + ["delta"] * 5}
 
 
 def test_a_two_process_rollout_catches_up_with_a_subscriber(jobs):

@@ -19,7 +19,6 @@ The sender keeps the last synced state in rollout dtypes. Each ``send`` runs two
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -42,15 +41,13 @@ from jsparse._src.core.units import local_value
 from jsparse._src.sync import auto, programs
 from jsparse._src.sync.parts import (dense_records, every_part, first_process_value,
                                      part_records, processes_with, slowest)
-from jsparse._src.sync.stream import (Version, produce, start_host_copies,
-                                      start_segment_copies, stream_pieces)
+from jsparse._src.sync.stream import Version, produce, start_host_copies, stream_pieces
 from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (RUN_BYTES, SyncState, check_digest, check_state,
                                      check_version, digest_bytes, digest_words, state_run,
                                      versioned_digest)
 from jsparse._src.sync.receiver import Receiver
-from jsparse._src.wire.payload import (Coding, Format, Kind, Payload, segment_host_bits,
-                                       segment_records)
+from jsparse._src.wire.payload import Coding, Format, Kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,59 +311,6 @@ class Sender:
         self.plan, self.snapshot, new, timed_sync))
     return auto.CANDIDATES[first_process_value(auto.CANDIDATES.index(choice), self._snapshot)]
 
-  def _records(self, coding: Coding, changes: programs.DeviceChanges, snapshot: list,
-               anchor: bool):
-    """The decoded records of a version in ``coding``, one per segment (a generator: see
-    :func:`payload.segment_records`)."""
-    if not coding.ranked:
-      changes = changes._replace(ranks=None)
-    return segment_records(self.plan, local_value(changes.delta.counts),
-                           local_value(changes.delta.overflow), _HostChanges(changes),
-                           dense=lambda s: segment_host_bits(self.plan, s, snapshot),
-                           full=anchor)
-
-  def _check_single_process(self) -> None:
-    """Refuses decoded records of params that span several processes."""
-    if not all(x.is_fully_addressable for x in self._snapshot):
-      raise ConfigError("the params span several processes: in a multi-controller job every "
-                        "process calls send() and ships its own part")
-
-  @mesh_neutral
-  def _decoded_version(self, params: PyTree, *, version: int | None = None) -> Payload:
-    """Like :meth:`send`, but returns the decoded payload (what :meth:`Receiver.receive`
-    applies), not its bytes: for a delta checkpoint, which stores its records as arrays
-    (``payload_bytes`` stays None: it makes no bytes)."""
-    with self._anchor_next_if_moved():
-      payload = self._payload(params, False, version)
-      payload = dataclasses.replace(payload, segments=tuple(payload.segments))
-    self._finish(None, self.coding.records)
-    return payload
-
-  @contextlib.contextmanager
-  def _anchor_next_if_moved(self):
-    """Makes the next payload an anchor if what runs inside fails after the sender moved to the
-    new version (the receiver never gets that version); a call refused before anything moved
-    (a bad argument, a version not newer) changes nothing, not even the next payload's kind."""
-    before = self.version
-    try:
-      yield
-    except BaseException:
-      if self.version != before:
-        self._needs_anchor = True
-      raise
-
-  def _payload(self, params: PyTree, anchor: bool, version: int | None) -> Payload:
-    """The payload to the next version, its records a generator that moves each segment's
-    changes to the host as its record is made (see :func:`payload.segment_records`)."""
-    self._check_single_process()
-
-    def whole(changes: programs.DeviceChanges, snapshot: list, anchor: bool):
-      return self._records(self.coding.records, changes, snapshot, anchor)
-
-    head, segments = self._step(params, anchor, version, whole)
-    return Payload(head.kind, head.base_version, head.version, head.base_digest,
-                   head.new_digest, segments)
-
   def send_stream(self, params: PyTree, *, anchor: bool = False, version: int | None = None,
                   chunk_bytes: int = 64 << 20) -> Version:
     """The next version as a stream of parts, each covering at most ``chunk_bytes`` of rollout
@@ -568,31 +512,6 @@ def _on_plan_layouts(plan: Plan, params: PyTree) -> list:
   source)."""
   return place_on_plan_layouts(plan, commit_leaves(plan.flatten(params, what="params")),
                                what="params")
-
-
-class _HostChanges:
-  """A diff's changes on the host, segment by segment in plan order (the ``changes`` of
-  ``payload.segment_records``): taking segment ``s`` starts the copy of ``s + 1`` (so that on
-  an accelerator the transfer overlaps the coding) and lets go of ``s``'s device arrays, and
-  with them the host copy JAX caches on each: at most two segments' changes are on the host."""
-
-  def __init__(self, changes: programs.DeviceChanges):
-    self._columns = [None if arrays is None else list(arrays) for arrays in
-                     (changes.delta.indices, changes.delta.values, changes.old_values,
-                      changes.ranks)]
-    if changes.delta.indices:
-      start_segment_copies(self._columns, 0)
-
-  def __call__(self, segment: int) -> tuple:
-    """``(positions, new bits, old bits, ranks or None)`` of ``segment``, as numpy arrays."""
-    if segment + 1 < len(self._columns[0]):
-      start_segment_copies(self._columns, segment + 1)
-    out = tuple(None if arrays is None or arrays[segment] is None else np.asarray(arrays[segment])
-                for arrays in self._columns)
-    for arrays in self._columns:
-      if arrays is not None:
-        arrays[segment] = None
-    return out
 
 
 _TIMED_REPEATS = 2

@@ -3,8 +3,8 @@
 A :class:`Payload` brings a receiver from ``base_version`` to ``version``: per segment of the
 plan one :class:`SegmentPayload` record, whose :class:`Mode` says how its changes are named and
 valued. :class:`Format` is the body layout on the wire (``compact.py``, ``packed.py``);
-:class:`Coding` is the user's choice of format and naming. :func:`segment_records` builds the
-records from a diff moved to the host; :func:`check_records` states what every record must
+:class:`Coding` is the user's choice of format and naming. :func:`sparse_record` builds a
+record from changes moved to the host; :func:`check_records` states what every record must
 satisfy (the decoders and the checkpoint reader both rely on it).
 
 >>> import numpy as np, jax.numpy as jnp, jsparse
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
-from typing import Callable, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -159,36 +159,6 @@ def segment_host_bits(plan: Plan, segment_id: int, flat: Sequence) -> np.ndarray
   seg = plan.segments[segment_id]
   parts = [bits_lib.np_to_bits(local_value(flat[i])).reshape(-1) for i in seg.leaf_ids]
   return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-def segment_records(plan: Plan, counts: np.ndarray, overflow: np.ndarray,
-                    changes: Callable[[int], tuple], *, dense: Callable[[int], np.ndarray],
-                    full: bool = False) -> Iterator[SegmentPayload]:
-  """The records of a diff on the host, one segment at a time: a generator, which asks for a
-  segment's changes as it makes that segment's record, so that only one segment's changes
-  need be on the host (a whole ``send`` codes each record as it comes).
-
-  Args:
-    plan: the plan.
-    counts: per segment, how many elements changed (a :class:`~jsparse.Delta`'s counts).
-    overflow: per segment, whether it overflowed its capacity.
-    changes: ``changes(s)`` gives segment ``s``'s slots as numpy arrays: ``(positions, new
-      bits, old bits, ranks or None)``, the first ``counts[s]`` used (ranks None: name the
-      changes by position).
-    dense: ``dense(s)`` gives segment ``s``'s new bits, for overflowed segments and anchors.
-    full: every segment dense (an anchor).
-  """
-  for s, seg in enumerate(plan.segments):
-    if full or overflow[s]:
-      yield SegmentPayload(Mode.DENSE, None, dense(s))
-      continue
-    count = int(counts[s])
-    indices, values, old, ranks = changes(s)
-    if seg.blocks > 1:  # ascending per block, unused slots between blocks: merge the blocks
-      order = np.argsort(indices, kind="stable")
-      indices, values, old = indices[order], values[order], old[order]
-    yield sparse_record(seg, indices[:count], values[:count], old[:count],
-                        None if ranks is None else ranks[:count])
 
 
 def sparse_record(seg: Segment, positions: np.ndarray, values: np.ndarray,
