@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import jsparse
 from jsparse._src.wire import compact
@@ -93,6 +93,7 @@ def test_fuzz_arbitrary_bytes_are_refused_cleanly(noise, real_index, which):
        st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 255),
                           st.sampled_from(["xor", "set", "cut", "insert"])),
                 min_size=1, max_size=4))
+@example(0, 192, [(1018894, 0, "insert"), (269, 224, "xor")])  # a zstd frame stating ~1e17 B
 def test_fuzz_mutated_parts_with_valid_checksums(which, unit, mutations):
   """Mutations of a unit's body behind recomputed checksums and lengths reach the structural
   checks: every outcome is a PayloadError or records that keep reading's promises."""
@@ -224,3 +225,12 @@ def test_host_temporaries_of_format_2_stay_a_few_bytes_per_change():
   assert decoded.indices.tolist() == keys.tolist() and decoded.values.tolist() == codes.tolist()
   assert encode_peak < 8 * count and decode_peak < 12 * count, (encode_peak / count,
                                                                  decode_peak / count)
+
+
+def test_a_zstd_frame_stating_more_than_its_stream_announces_is_refused_unallocated():
+  """A corrupt frame header must not make the decoder allocate what it states (~1e17 B)."""
+  frame = bytearray(zstandard.ZstdCompressor().compress(b"abc" * 10))
+  frame[4] ^= 0xE0  # the frame's content size, now 100031785886285901 bytes
+  stream = compact._STREAM.pack(30, len(frame)) + bytes(frame)
+  with pytest.raises(jsparse.PayloadError, match="states 100031785886285901 bytes, 30 announced"):
+    compact._unpack_stream(Reader(stream), "gaps stream", 30)

@@ -182,6 +182,11 @@ def _unpack_stream(reader: Reader, what: str, max_raw: int) -> bytes:
       raise PayloadError(f"{what}: {packed_len} packed bytes for an empty stream")
     return b""
   try:
+    # A frame that states its size is decoded into a buffer of that size: a corrupt one
+    # must not make it allocate more than the stream announces.
+    stated = zstandard.get_frame_parameters(packed).content_size
+    if stated not in (zstandard.CONTENTSIZE_UNKNOWN, raw_len):
+      raise PayloadError(f"{what}: its zstd frame states {stated} bytes, {raw_len} announced")
     raw = zstandard.ZstdDecompressor().decompress(packed, max_output_size=raw_len)
   except zstandard.ZstdError as e:
     raise PayloadError(f"{what}: zstd cannot decode it ({e})") from e
