@@ -280,9 +280,9 @@ class Sender:
     """
     return self.send_stream(params, anchor=anchor, version=version, chunk_bytes=WHOLE).join()
 
-  def _finish(self, payload_bytes: int | None, coding: Coding) -> None:
-    """Completes ``last_stats`` once a version is all out (``payload_bytes``: None for decoded
-    records, which have none), and tells ``auto`` what it carried."""
+  def _finish(self, payload_bytes: int, coding: Coding) -> None:
+    """Completes ``last_stats`` once a version is all out (this process's ``payload_bytes``),
+    and tells ``auto`` what it carried."""
     stats = self.last_stats
     rates = None
     if self.coding is Coding.AUTO and not stats.anchor and self._auto.rates_used is not None:
@@ -291,7 +291,7 @@ class Sender:
                                           coding=coding.value, coding_rates=rates)
     if not stats.anchor:
       update = auto.Update(stats.changed, stats.elements, stats.overflowed_changes)
-      if payload_bytes is not None and all(x.is_fully_addressable for x in self._snapshot):
+      if all(x.is_fully_addressable for x in self._snapshot):
         self._auto.observe(coding, update, payload_bytes)  # (a process's part is not the version)
       self._last_update = update
 
@@ -338,8 +338,7 @@ class Sender:
     (2, True, 800376)
     """
     pieces, per_process = self._stream_pieces(chunk_bytes)
-    head, (changes, snapshot, anchor) = self._step(params, anchor, version,
-                                                 lambda *stage: stage, choose=True)
+    head, changes, snapshot, anchor = self._step(params, anchor, version)
     self._needs_anchor = True  # until the last part is out
     coding = self._step_coding.parts
 
@@ -414,12 +413,10 @@ class Sender:
                       anchor=head.kind == Kind.ANCHOR)
 
   @mesh_neutral
-  def _step(self, params: PyTree, anchor: bool, version: int | None, host_stage,
-            choose: bool = False) -> tuple:
-    """Diffs ``params`` against the snapshot, codes the changes with ``host_stage(changes,
-    next snapshot, anchor)`` and moves to the new version: (the header, the records).
-    ``choose``: the step's coding (``_step_coding``) is chosen for it (``"auto"``), else the
-    sender's."""
+  def _step(self, params: PyTree, anchor: bool, version: int | None) -> tuple:
+    """Diffs ``params`` against the snapshot in the step's coding (``_step_coding``: for
+    ``"auto"``, the one chosen for it) and moves to the new version: (the parts' header, the
+    changes on the devices, the next snapshot, whether the version is an anchor)."""
     version = check_version(self.version + 1 if version is None else version)
     if version <= self.version:
       raise VersionError(f"version {version} must be newer than the sender's {self.version}: "
@@ -436,7 +433,7 @@ class Sender:
     needs_anchor = bool(processes_with(self._needs_anchor, self._snapshot))
     anchor = anchor or needs_anchor or anchor_due(version, self.anchor_every)
     flat = self._placed_like_snapshot(commit_leaves(self.plan.flatten(params, what="params")))
-    self._step_coding = self._coding_for(anchor, flat) if choose else self.coding
+    self._step_coding = self._coding_for(anchor, flat)
     snapshot_ids = {id(x) for x in self._snapshot}  # the snapshot is donated below
     flat = [jnp.copy(x) if id(x) in snapshot_ids else x for x in flat]
     old = self._snapshot
@@ -460,13 +457,7 @@ class Sender:
                                 overflowed_changes=int(counts[overflowed].sum()))
     if overflowed:
       self._overflow_log.report(self.plan, version, counts, overflowed)
-    try:
-      records = host_stage(changes, self._snapshot, anchor)
-    except BaseException:
-      self._needs_anchor = True  # the receivers never get this version
-      raise
-    self._needs_anchor = False
-    return head, records
+    return head, changes, self._snapshot, anchor
 
 
 class OverflowLog:

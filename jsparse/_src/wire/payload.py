@@ -99,12 +99,6 @@ class Coding(str, enum.Enum):
     return self is not Coding.POSITIONED
 
   @property
-  def records(self) -> "Coding":
-    """The coding of this coding's decoded payloads (records on the host, as a delta
-    checkpoint stores them): ``PACKED`` and ``AUTO`` use format 2's with the same keys."""
-    return Coding.POSITIONED if self is Coding.POSITIONED else Coding.RANKED
-
-  @property
   def parts(self) -> "Coding":
     """The coding of this coding's parts and streams: its own (packed on the device for the
     packed coding), ``RANKED`` for ``AUTO`` where it has not chosen (anchors)."""
