@@ -394,20 +394,21 @@ def _rewritten(leaf, x: jax.Array, regions: list) -> jax.Array:
 def processes_with(flag: bool, flat: Sequence[jax.Array]) -> list[int]:
   """The processes whose ``flag`` is set, among those of a job whose arrays ``flat`` span
   several processes (one small all-gather); in a single process, ``[0]`` or ``[]``."""
-  if not _spans_processes(flat):
+  if not spans_processes(flat):
     return [jax.process_index()] if flag else []
   flags = np.asarray(multihost_utils.process_allgather(np.array([flag], np.int32)))
   return np.flatnonzero(flags.reshape(-1)).tolist()
 
 
-def _spans_processes(flat: Sequence[jax.Array]) -> bool:
+def spans_processes(flat: Sequence[jax.Array]) -> bool:
+  """Whether the arrays ``flat`` span devices of several processes."""
   return not all(x.is_fully_addressable for x in flat)
 
 
 def first_process_value(value: int, flat: Sequence[jax.Array]) -> int:
   """Process 0's ``value`` on every process of a job whose arrays ``flat`` span several
   processes (one small all-gather), so that all of them decide alike; else ``value``."""
-  if not _spans_processes(flat):
+  if not spans_processes(flat):
     return int(value)
   return int(np.asarray(multihost_utils.process_allgather(
       np.array([value], np.int64))).reshape(-1)[0])
@@ -416,7 +417,7 @@ def first_process_value(value: int, flat: Sequence[jax.Array]) -> int:
 def slowest(seconds: float, flat: Sequence[jax.Array]) -> float:
   """The most ``seconds`` of any process of a job whose arrays ``flat`` span several processes
   (what a step of all of them takes); else ``seconds``."""
-  if not _spans_processes(flat):
+  if not spans_processes(flat):
     return float(seconds)
   return float(np.asarray(multihost_utils.process_allgather(
       np.array([seconds], np.float64))).max())
@@ -425,7 +426,7 @@ def slowest(seconds: float, flat: Sequence[jax.Array]) -> float:
 def every_part(part: bytes, flat: Sequence[jax.Array]) -> list[bytes]:
   """Every process's ``part``, in process order, on every process of a job whose arrays
   ``flat`` span several processes (two all-gathers); else ``[part]``."""
-  if not _spans_processes(flat):
+  if not spans_processes(flat):
     return [bytes(part)]
   lengths = np.asarray(multihost_utils.process_allgather(
       np.array([len(part)], np.int64))).reshape(-1)

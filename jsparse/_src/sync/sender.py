@@ -40,7 +40,7 @@ from jsparse._src.pytree import PyTree
 from jsparse._src.core.units import local_value
 from jsparse._src.sync import auto, programs
 from jsparse._src.sync.parts import (dense_records, every_part, first_process_value,
-                                     part_records, processes_with, slowest)
+                                     part_records, processes_with, slowest, spans_processes)
 from jsparse._src.sync.stream import Version, produce, start_host_copies, stream_pieces
 from jsparse._src.wire.parts import PartHeader, encode_part
 from jsparse._src.sync.state import (RUN_BYTES, SyncState, check_digest, check_state,
@@ -291,7 +291,7 @@ class Sender:
                                           coding=coding.value, coding_rates=rates)
     if not stats.anchor:
       update = auto.Update(stats.changed, stats.elements, stats.overflowed_changes)
-      if all(x.is_fully_addressable for x in self._snapshot):
+      if not spans_processes(self._snapshot):
         self._auto.observe(coding, update, payload_bytes)  # (a process's part is not the version)
       self._last_update = update
 

@@ -152,28 +152,32 @@ def _slice(data, start: int, stop: int, what: str) -> bytes:
   return bytes(data[start:stop])
 
 
-def _part_length(data, start: int) -> int:
-  """Bytes of the part that begins at ``start`` of ``data``, from its header and unit table
-  (checksummed): at most what is left of ``data`` (a truncated part is then named by
-  :func:`read_index`)."""
-  if bytes(data[start:start + len(MAGIC)]) != MAGIC:
-    if start:
-      raise PayloadError(f"the {len(data) - start} bytes after byte {start} are not a part: a "
-                         "payload is one part or several joined, nothing else")
-    return len(data)  # not a part: read_index names what it is
+def _head_and_table(data, start: int) -> tuple[bytes, bytes]:
+  """The header and unit table of the part at ``start`` of ``data``, their checksum checked."""
   head = _slice(data, start, start + HEADER.size, "the header")
-  num_units, table_len = HEADER.unpack(head)[-2:]
-  table_end = start + HEADER.size + table_len
+  if head[:len(MAGIC)] != MAGIC:
+    raise PayloadError("not a jsparse payload part (bad magic)")
+  table_end = start + HEADER.size + HEADER.unpack(head)[-1]
   table = _slice(data, start + HEADER.size, table_end, "the unit table")
   (crc,) = _CRC.unpack(_slice(data, table_end, table_end + _CRC.size, "the table checksum"))
   if zlib.crc32(head + table) != crc:
-    raise PayloadError(f"part header checksum mismatch at byte {start}: corrupted or truncated")
+    raise PayloadError("part header checksum mismatch: corrupted or truncated")
+  return head, table
+
+
+def _part_length(data, start: int) -> int:
+  """Bytes of the part that begins at ``start`` of ``data``, from its header and unit table:
+  at most what is left of ``data`` (a truncated part is then named by :func:`read_index`)."""
+  if start and bytes(data[start:start + len(MAGIC)]) != MAGIC:
+    raise PayloadError(f"the {len(data) - start} bytes after byte {start} are not a part: a "
+                       "payload is one part or several joined, nothing else")
+  head, table = _head_and_table(data, start)
   reader, bodies = Reader(table), 0
-  for _ in range(num_units):
+  for _ in range(HEADER.unpack(head)[-2]):
     *_, length, _, num_runs = ENTRY.unpack(reader.take(ENTRY.size, "a unit entry"))
     reader.take(RUN.size * num_runs, "a unit's blocks")
     bodies += length
-  return min(HEADER.size + table_len + _CRC.size + bodies, len(data) - start)
+  return min(HEADER.size + len(table) + _CRC.size + bodies, len(data) - start)
 
 
 def split_parts(data) -> list:
@@ -189,16 +193,17 @@ def split_parts(data) -> list:
   >>> [len(p) for p in split_parts(b"".join(parts))] == [len(p) for p in parts]
   True
   """
+  if bytes(data[:len(MAGIC)]) != MAGIC:
+    return [data]  # not a part: read_index names what it is
   try:
     view = memoryview(data)
   except TypeError:
     view = data
-  first = _part_length(view, 0)
-  if first == len(view):
-    return [data]
   parts, start = [], 0
   while start < len(view):
     end = start + _part_length(view, start)
+    if start == 0 and end == len(view):
+      return [data]  # one part: as it came
     parts.append(view[start:end])
     start = end
   return parts
@@ -213,16 +218,10 @@ def read_index(plan: Plan, data) -> PartIndex:
   """
   if bytes(data[:len(MAGIC)]) in RETIRED:
     raise PayloadError(RETIRED[bytes(data[:len(MAGIC)])])
-  head = _slice(data, 0, HEADER.size, "the header")
-  if head[:len(MAGIC)] != MAGIC:
-    raise PayloadError("not a jsparse payload part (bad magic)")
+  head, table = _head_and_table(data, 0)
   (magic, fmt, kind, flags, fingerprint, base_version, version, base_digest, new_digest, part,
    parts, num_units, table_len) = HEADER.unpack(head)
   table_end = HEADER.size + table_len
-  table = _slice(data, HEADER.size, table_end, "the unit table")
-  (crc,) = _CRC.unpack(_slice(data, table_end, table_end + _CRC.size, "the table checksum"))
-  if zlib.crc32(head + table) != crc:
-    raise PayloadError("part header checksum mismatch: corrupted or truncated")
   if fingerprint != plan.fingerprint:
     raise PayloadError("part was made for another plan (fingerprint differs): make the "
                        "rollout's plan with make_plan from the same tree (or its shapes) and "
