@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from tests.helpers import release_compiled_programs_if_many  # noqa: E402
+from tests.helpers import drop_queued_compilations, release_compiled_programs_if_many  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -40,8 +40,10 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _bounded_compiled_programs():
-  """Keeps the session below the kernel's limit of memory maps (see the helper)."""
+  """Drops the background compilations a test left queued, and keeps the session below the
+  kernel's limit of memory maps (see the helpers)."""
   yield
+  drop_queued_compilations()
   release_compiled_programs_if_many()
 
 

@@ -11,6 +11,15 @@ def compilations(jitted: Callable) -> int:
   return jitted._cache_size()
 
 
+def drop_queued_compilations() -> None:
+  """Drops the slot levels a finished test requested and the background thread has not started
+  compiling (``programs.SlotLevels``): they are for that test's plans. Left queued, they
+  compiled on while the next tests ran (on a 2-core machine, as much compile time in the
+  background as in the tests themselves)."""
+  from jsparse._src.sync import programs
+  programs.cancel_slot_levels()
+
+
 def release_compiled_programs_if_many(limit: int = 20000) -> None:
   """Drops JAX's compiled programs once this process maps more than ``limit`` memory regions.
 

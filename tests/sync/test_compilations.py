@@ -352,3 +352,28 @@ def test_forgetting_the_compiled_levels_drops_those_not_started():
   assert not forgetting.is_alive() and ran == [1]
   assert levels.wait(timeout=0) and levels.ready("family") == set()
   assert levels.wanted("family", 2) and levels.choose("family", needed=2) == 0
+
+
+def test_cancelled_levels_are_not_compiled_and_are_wanted_again():
+  """``cancel`` (between tests): the level compiling finishes and is ready; those queued are
+  dropped, never run, and can be requested again."""
+  levels, started, release, ran = programs.SlotLevels(), threading.Event(), threading.Event(), []
+
+  def first():
+    started.set()
+    release.wait(timeout=60)
+    ran.append(1)
+
+  levels.ran("family", 0)
+  levels.request("family", 1, first)
+  levels.request("family", 2, lambda: ran.append(2))
+  levels.request("family", 3, lambda: ran.append(3))
+  assert started.wait(timeout=60)
+  assert not levels.wanted("family", 2)
+  assert levels.cancel() == 2
+  release.set()
+  assert levels.wait(timeout=60) and ran == [1]
+  assert levels.ready("family") == {0, 1}
+  assert levels.wanted("family", 2) and levels.wanted("family", 3)
+  levels.request("family", 2, lambda: ran.append(2))
+  assert levels.wait(timeout=60) and ran == [1, 2] and levels.ready("family") == {0, 1, 2}

@@ -769,8 +769,19 @@ class SlotLevels:
     with self._idle:
       return self._idle.wait_for(lambda: self._unfinished == 0, timeout)
 
+  def cancel(self) -> int:
+    """Drops the requested levels not started (the one compiling finishes), which become wanted
+    again; how many were dropped. For a process done with the plans it requested them for
+    (a test suite between tests): they would compile programs nothing will call."""
+    with self._lock:
+      dropped = len(self._jobs)
+      self._drop_queued()
+    return dropped
+
   def _drop_queued(self) -> None:
     """Drops the requested levels not started (the lock held): none of them is compiled."""
+    for family, config, level, _, _ in self._jobs:
+      self._families[family].pending[config].discard(level)
     self._unfinished -= len(self._jobs)
     self._jobs.clear()
     self._idle.notify_all()
@@ -806,6 +817,11 @@ class SlotLevels:
 
 
 SLOT_LEVELS = SlotLevels()
+
+
+def cancel_slot_levels() -> int:
+  """Drops the slot levels requested and not started (see :meth:`SlotLevels.cancel`)."""
+  return SLOT_LEVELS.cancel()
 
 
 def wait_for_slot_levels(timeout: float | None = None) -> bool:
