@@ -331,9 +331,9 @@ def test_distinct_programs_compile_side_by_side_and_the_calls_find_them(monkeypa
   assert compile_side_by_side.compile_distinct(calls) == 0
 
 
-def test_forgetting_the_compiled_levels_drops_those_not_started():
-  """After ``jax.clear_caches()`` (``staging.forget_compiled``): the level compiling finishes,
-  those still queued are never compiled, and every level is unknown again."""
+def _levels_compiling(queued: int):
+  """Slot levels of which level 1 is compiling (until ``release`` is set) and levels 2 to
+  ``queued + 1`` are queued; ``ran``: the levels whose jobs ran."""
   levels, started, release, ran = programs.SlotLevels(), threading.Event(), threading.Event(), []
 
   def first():
@@ -343,8 +343,16 @@ def test_forgetting_the_compiled_levels_drops_those_not_started():
 
   levels.ran("family", 0)
   levels.request("family", 1, first)
-  levels.request("family", 2, lambda: ran.append(2))
+  for level in range(2, queued + 2):
+    levels.request("family", level, lambda level=level: ran.append(level))
   assert started.wait(timeout=60)
+  return levels, release, ran
+
+
+def test_forgetting_the_compiled_levels_drops_those_not_started():
+  """After ``jax.clear_caches()`` (``staging.forget_compiled``): the level compiling finishes,
+  those still queued are never compiled, and every level is unknown again."""
+  levels, release, ran = _levels_compiling(queued=1)
   forgetting = threading.Thread(target=levels.forget)
   forgetting.start()
   release.set()
@@ -357,18 +365,7 @@ def test_forgetting_the_compiled_levels_drops_those_not_started():
 def test_cancelled_levels_are_not_compiled_and_are_wanted_again():
   """``cancel`` (between tests): the level compiling finishes and is ready; those queued are
   dropped, never run, and can be requested again."""
-  levels, started, release, ran = programs.SlotLevels(), threading.Event(), threading.Event(), []
-
-  def first():
-    started.set()
-    release.wait(timeout=60)
-    ran.append(1)
-
-  levels.ran("family", 0)
-  levels.request("family", 1, first)
-  levels.request("family", 2, lambda: ran.append(2))
-  levels.request("family", 3, lambda: ran.append(3))
-  assert started.wait(timeout=60)
+  levels, release, ran = _levels_compiling(queued=2)
   assert not levels.wanted("family", 2)
   assert levels.cancel() == 2
   release.set()
