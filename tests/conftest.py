@@ -14,6 +14,13 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
+# Slot levels compile when a sync first needs them, not ahead in the background
+# (``jsparse._src.sync.programs.SlotLevels``): most tests run a few syncs of plans of their own,
+# and levels compiled ahead for syncs that never come took about a third of a module's compile
+# time. The tests of compiling ahead turn it on (the ``compile_ahead`` marker); processes the
+# tests start inherit the setting.
+os.environ.setdefault("JSPARSE_COMPILE_AHEAD", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -36,14 +43,21 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   os.environ["JSPARSE_FUZZ_EXAMPLES"] = str(config.getoption("--fuzz-examples"))
+  config.addinivalue_line("markers", "compile_ahead: slot levels compile ahead, in the "
+                          "background, as they do by default outside the suite")
 
 
 @pytest.fixture(autouse=True)
-def _bounded_compiled_programs():
-  """Drops the background compilations a test left queued, and keeps the session below the
-  kernel's limit of memory maps (see the helpers)."""
+def _bounded_compiled_programs(request):
+  """Slot levels compiled ahead for tests marked ``compile_ahead`` only; drops the background
+  compilations a test left queued, and keeps the session below the kernel's limit of memory
+  maps (see the helpers)."""
+  from jsparse._src.sync import programs
+  ahead = request.node.get_closest_marker("compile_ahead") is not None
+  previous = programs.compile_ahead(ahead or os.environ["JSPARSE_COMPILE_AHEAD"] != "0")
   yield
   drop_queued_compilations()
+  programs.compile_ahead(previous)
   release_compiled_programs_if_many()
 
 

@@ -12,6 +12,7 @@ import jsparse
 from jsparse._src.sync import programs
 from jsparse.testing import assert_trees_bitwise_equal
 
+pytestmark = pytest.mark.compile_ahead  # the default: the diff widens and narrows ahead
 FIXED = tuple(c for c in jsparse.Coding if c is not jsparse.Coding.AUTO)
 DENSITIES = (0.06, 0.08, 0.12, 0.16, 0.2)  # past the default capacity (5%), as at lr 1e-5
 JUMP = 0.12  # after steps at 0.5%: more than twice the headroom in one step

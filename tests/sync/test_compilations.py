@@ -16,11 +16,14 @@ from jsparse.testing import assert_trees_bitwise_equal
 from jsparse._src.sync import programs
 from jsparse._src.wire.parts import read_index
 
+pytestmark = pytest.mark.compile_ahead  # what the suite tests here is compiling ahead
+
 # Densities across the slot levels (capacity 5%: levels at 5, 3.5, 2.5, 1.8, 1.25, 0.88, 0.625%).
 DRIFT = (0.04, 0.02, 0.015, 0.01, 0.007, 0.005, 0.002, 0.03, 0.0005, 0.04)  # each level
 
 _COMPILES: collections.Counter = collections.Counter()  # XLA compilations, by thread
 _SYNC_COMPILES: list = []  # those on any thread but the slot levels' (e.g. a host pool's)
+_BACKGROUND_COMPILES: list = []  # the slot levels' thread's
 
 
 def _count(event: str, seconds: float, **kwargs) -> None:
@@ -28,6 +31,8 @@ def _count(event: str, seconds: float, **kwargs) -> None:
     _COMPILES[threading.get_ident()] += 1
     if threading.current_thread().name != "jsparse-slot-levels":
       _SYNC_COMPILES.append(kwargs.get("fun_name"))
+    else:
+      _BACKGROUND_COMPILES.append(kwargs.get("fun_name"))
 
 
 jax.monitoring.register_event_duration_secs_listener(_count)  # once: listeners stay
@@ -374,3 +379,31 @@ def test_cancelled_levels_are_not_compiled_and_are_wanted_again():
   assert levels.wanted("family", 2) and levels.wanted("family", 3)
   levels.request("family", 2, lambda: ran.append(2))
   assert levels.wait(timeout=60) and ran == [1, 2] and levels.ready("family") == {0, 1, 2}
+
+
+def test_with_compiling_ahead_off_a_call_runs_at_a_compiled_level_or_compiles_its_own():
+  """``JSPARSE_COMPILE_AHEAD=0`` (``programs.compile_ahead(False)``): nothing compiles in the
+  background; a call runs at a compiled level that holds its changes, or compiles a wider one
+  itself. A sender's diff widens at the sync after a density jump: sparse again at once, bit for
+  bit."""
+  levels = programs.SlotLevels(ahead=False)
+  levels.ran("family", 0)
+  levels.request("family", 3, lambda: pytest.fail("compiled ahead"))
+  assert levels.wait(timeout=0) and not levels.wanted("family", 3)
+  assert levels.choose("family", needed=3) == 0 and levels.choose("family", needed=-2) == -2
+  previous = programs.compile_ahead(False)
+  try:
+    rng = np.random.default_rng(7)
+    params = {"w": rng.standard_normal((256, 392), np.float32)}  # one segment
+    plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
+    sender, receiver = jsparse.Sender(plan, params), jsparse.Receiver(plan, plan.cast(params))
+    background, overflowed = len(_BACKGROUND_COMPILES), []
+    for density in (0.01, 0.12, 0.12, 0.12):
+      params = _step(rng, params, density)
+      _sent(sender, receiver, params)
+      assert_trees_bitwise_equal(receiver.params, plan.cast(params))
+      overflowed.append(sender.last_stats.overflowed_segments)
+    assert levels.wait(timeout=0) and len(_BACKGROUND_COMPILES) == background
+    assert overflowed[0] == 0 and overflowed[1] > 0 and overflowed[2:] == [0, 0], overflowed
+  finally:
+    programs.compile_ahead(previous)

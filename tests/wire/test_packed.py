@@ -217,6 +217,7 @@ def test_packed_bytes_stay_near_the_compact_format_on_an_rl_like_update():
   assert sizes["packed"] / changed <= 1.4, sizes
 
 
+@pytest.mark.compile_ahead  # its sizes compile in the background
 def test_the_prefix_sliced_on_the_device_gives_the_bytes_read_in_place(monkeypatch):
   """On an accelerator the sender copies each chunk's used prefix, sliced on the device; on CPU
   devices it reads the whole buffer in place. Both give the same payload, whole and in parts."""

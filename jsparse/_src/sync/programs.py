@@ -31,6 +31,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -462,7 +463,12 @@ class DiffWidths:
       if self._wanted.get(key) == armed:
         del self._wanted[key]
     wanted = self._wanted.get(key)
-    if (wanted is not None and wanted in SLOT_LEVELS.ready(key[0])
+    if wanted is not None and not SLOT_LEVELS.compiles_ahead():  # none compiles ahead: a
+      # wider level compiles in this call, a narrower one is not worth a compilation
+      if wanted < self.level(key):
+        self._levels[key] = wanted
+      del self._wanted[key]
+    elif (wanted is not None and wanted in SLOT_LEVELS.ready(key[0])
         and not SLOT_LEVELS.compiling(ahead_key(key), wanted)):
       # Compiled: it moves at the next sync, so that a receiver, which asked for its own
       # programs of that level a little later, has had a step to compile them too.
@@ -655,6 +661,13 @@ class SlotLevels:
   same shapes, whatever it has compiled: there each call runs at the level it needs, compiled
   when first needed.
 
+  Compiling ahead can be turned off (``JSPARSE_COMPILE_AHEAD=0`` in the environment, or
+  :func:`compile_ahead`): then nothing compiles in the background; a call runs at a compiled
+  level that holds its changes (more slots than it needs, the same result), and compiles one
+  only where none does (a sender's diff widens at once). No compile time goes to levels a run
+  never uses (a short job, a test suite, a host whose cores are busy), at the price of more
+  slots than needed, and a compilation in the sync that first needs a wider level.
+
   Which level runs changes only how many slots the device programs take, never a payload's
   bytes nor the result. A compilation in the background that fails, or that does not match
   the call after all, costs the call its own compilation, as before, nothing else.
@@ -676,13 +689,19 @@ class SlotLevels:
   (True, 3, 0)
   """
 
-  def __init__(self):
+  def __init__(self, ahead: bool = True):
+    self.ahead = ahead
     self._families: dict[Any, _Family] = {}
     self._jobs: collections.deque = collections.deque()
     self._unfinished = 0
     self._thread: threading.Thread | None = None
     self._lock = threading.Lock()
     self._idle = threading.Condition(self._lock)
+
+  def compiles_ahead(self) -> bool:
+    """Whether levels compile ahead, in the background: in a job of one process, unless
+    :attr:`ahead` is turned off."""
+    return self.ahead and jax.process_count() == 1
 
   def choose(self, family: Any, needed: int, base: int = 0) -> int:
     """The level a call of ``family`` runs at when its changes need level ``needed``:
@@ -712,8 +731,9 @@ class SlotLevels:
       known.ready.setdefault(config, set()).add(level)
 
   def wanted(self, family: Any, level: int, config: Any = None) -> bool:
-    """Whether ``level`` of ``family`` for ``config`` is neither compiled nor compiling."""
-    if jax.process_count() > 1:
+    """Whether ``level`` of ``family`` for ``config`` is neither compiled nor compiling (never
+    where nothing compiles ahead)."""
+    if not self.compiles_ahead():
       return False
     with self._lock:
       known = self._families.get(family)
@@ -816,7 +836,21 @@ class SlotLevels:
       self._idle.notify_all()
 
 
-SLOT_LEVELS = SlotLevels()
+SLOT_LEVELS = SlotLevels(ahead=os.environ.get("JSPARSE_COMPILE_AHEAD", "1") != "0")
+
+
+def compile_ahead(enabled: bool) -> bool:
+  """Turns compiling slot levels ahead, in the background, on or off (see :class:`SlotLevels`);
+  returns the previous setting. Off, the levels already requested and not started are dropped.
+
+  >>> previous = compile_ahead(False)
+  >>> compile_ahead(previous)
+  False
+  """
+  previous, SLOT_LEVELS.ahead = SLOT_LEVELS.ahead, bool(enabled)
+  if not enabled:
+    SLOT_LEVELS.cancel()
+  return previous
 
 
 def cancel_slot_levels() -> int:
