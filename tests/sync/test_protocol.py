@@ -219,6 +219,7 @@ def test_receiver_refuses_params_that_do_not_match_the_plan():
     jsparse.Receiver(plan, {"w": jnp.zeros(4)})
 
 
+@pytest.mark.compile_ahead  # counts the compilations of the default
 @pytest.mark.parametrize("coding", ["ranked", "packed"])  # positioned: ranked minus ranks
 def test_compilations_follow_the_distinct_chunks_not_the_leaves_or_the_density(coding):
   """One compilation per program and chunk structure: twelve layers of the same shapes compile

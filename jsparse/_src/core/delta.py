@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse._src.core import bits as bits_lib
-from jsparse._src.core.blocks import apply_blocks, diff_blocks
+from jsparse._src.core.blocks import apply_blocks, count_blocks, diff_blocks
 from jsparse._src.core.layout import Layout, mesh_neutral
 from jsparse._src.core.placement import (commit_leaves, distinct_buffers, is_traced, layouts_of,
                                          place_on_plan_layouts, replicated_on)
@@ -139,6 +139,28 @@ def diff_flat_with_old(plan: Plan, base: list, new: list
   delta = Delta(tuple(p[0] for p in parts), tuple(p[1] for p in parts),
                 jnp.stack([p[3] for p in parts]), jnp.stack([p[4] for p in parts]))
   return delta, tuple(p[2] for p in parts), tuple(p[5] for p in parts)
+
+
+def change_counts(plan: Plan, base: list, new: list
+                  ) -> tuple[jax.Array, tuple[jax.Array | None, ...]]:
+  """What :func:`diff_flat_with_old` counts, without finding the changes: ``int32[segments]``
+  changed elements per segment and, for a leaf split into blocks, ``int32[blocks]`` per block
+  (else None). One compare-and-count pass: a small program, quick to compile."""
+  counts, block_counts = [], []
+  for seg in plan.segments:
+    leaf_id = seg.leaf_ids[0]
+    leaf = plan.leaves[leaf_id]
+    if seg.blocks > 1:
+      per_block = count_blocks(leaf.layout, leaf.shape, leaf.rollout_dtype,
+                               jnp.asarray(base[leaf_id]), jnp.asarray(new[leaf_id]))
+      counts.append(jnp.sum(per_block))
+      block_counts.append(per_block)
+      continue
+    counts.append(sum(jnp.sum(_cast_bits(base[i], plan.leaves[i].rollout_dtype)
+                              != _cast_bits(new[i], plan.leaves[i].rollout_dtype),
+                              dtype=jnp.int32) for i in seg.leaf_ids))
+    block_counts.append(None)
+  return (jnp.stack(counts) if counts else jnp.zeros((0,), jnp.int32)), tuple(block_counts)
 
 
 def diff_flat(plan: Plan, base: list, new: list) -> Delta:

@@ -43,7 +43,8 @@ from jax.sharding import AxisType, NamedSharding
 from jsparse._src.core.chunks import (Chunk, chunks_of, place_leaves, place_segments,
                                       sum_digests, unchunked_leaves)
 from jsparse._src.core.bits import gather_bits
-from jsparse._src.core.delta import Delta, apply_flat, diff_flat_with_old, segment_bits
+from jsparse._src.core.delta import (Delta, apply_flat, change_counts, diff_flat_with_old,
+                                     segment_bits)
 from jsparse._src.core.placement import diff_targets
 from jsparse._src.core.digest import bits_digest, change_digest
 from jsparse._src.core.layout import no_context_mesh
@@ -173,8 +174,8 @@ def counts_program(plan: Plan, snapshot: list, new: list, *, relaid: tuple | Non
   """A chunk's changes per segment as its slots must hold them (:func:`slot_counts`), the
   snapshot not donated: what a sender's first delta sizes its diff's slots by
   (:class:`DiffWidths`)."""
-  delta, _, block_counts = diff_flat_with_old(plan, snapshot, _relaid_new(plan, new, relaid))
-  return slot_counts(plan, delta.counts, block_counts)
+  counts, block_counts = change_counts(plan, snapshot, _relaid_new(plan, new, relaid))
+  return slot_counts(plan, counts, block_counts)
 
 
 def slot_counts(plan: Plan, counts: jax.Array, block_counts: Sequence) -> jax.Array:
@@ -423,7 +424,9 @@ class DiffWidths:
   programs of that level when it applies the version that made the sender ask: it gets a step
   to compile them): a diff never waits for a compilation after the first. Until then the level it runs at serves; changes over its slots (a density that
   jumps past twice the headroom in one step) are carried densely, exactly, once. Past
-  ``max_share`` a segment is sent densely.
+  ``max_share`` a segment is sent densely. With compiling ahead turned off
+  (:class:`SlotLevels`), a wider level runs from the next sync, compiled there, and a diff
+  never narrows.
 
   Memory: a widened diff's outputs hold, per slot, an int32 position and the new and old bits
   (8 bytes per slot for a bf16 rollout: at most ``4 * max_share`` times the rollout bytes of
