@@ -19,7 +19,7 @@ from qwix._src.core import qarray as qa
 
 import jsparse
 from jsparse import quantized
-from jsparse._src.core.bits import to_bits
+from jsparse._src.core.bits import np_to_bits
 from jsparse.testing import assert_trees_bitwise_equal
 from tests import strategies
 
@@ -54,7 +54,12 @@ def qwix_quantize(master, how):
   """The reference: qwix's quantizer under ``jax.jit``, as a rollout runs it. (Eager qwix may
   differ by one ulp in the scale: under jit, XLA divides by the type's bound as a multiplication
   by its reciprocal.)"""
-  return jax.jit(lambda m: qa.quantize(m, how))(jnp.asarray(master))
+  if repr(how) not in _QWIX_QUANTIZERS:  # one jitted quantizer per how (compiled per shape)
+    _QWIX_QUANTIZERS[repr(how)] = jax.jit(lambda m: qa.quantize(m, how))
+  return _QWIX_QUANTIZERS[repr(how)](jnp.asarray(master))
+
+
+_QWIX_QUANTIZERS: dict = {}  # HowToQuantize is not hashable: by its repr, which names every field
 
 
 # The presets' documented meaning for (in, out) kernels and (layers, in, out) stacks, written out
@@ -80,13 +85,18 @@ def expected_how(preset, shape):
   return qa.HowToQuantize(**hows)
 
 
+def to_bits(x):
+  """Bit patterns of ``x``, on the host (no program to compile per shape and dtype)."""
+  return np_to_bits(np.asarray(x))
+
+
 def widened(codes):
-  """Codes of any width, 4-bit codes widened exactly (to int8, float32)."""
-  codes = jnp.asarray(codes)
+  """Codes of any width on the host, 4-bit codes widened exactly (to int8, float32)."""
+  codes = np.asarray(codes)
   if codes.dtype == jnp.int4:
-    return codes.astype(jnp.int8)
+    return codes.astype(np.int8)
   if codes.dtype == jnp.float4_e2m1fn:
-    return codes.astype(jnp.float32)
+    return codes.astype(np.float32)
   return codes
 
 
@@ -104,7 +114,7 @@ def assert_same_bits_unless_nan(got, want, name, nan_groups=None):
   got, want = widened(got), widened(want)
   differ = np.asarray(to_bits(got)) != np.asarray(to_bits(want))
   if jnp.issubdtype(want.dtype, jnp.floating):
-    differ &= ~np.asarray(jnp.isnan(got.astype(jnp.float32)) & jnp.isnan(want.astype(jnp.float32)))
+    differ &= ~(np.isnan(got.astype(np.float32)) & np.isnan(want.astype(np.float32)))
   if nan_groups is not None:
     differ &= ~nan_groups
   assert not differ.any(), f"{name}: {int(differ.sum())} differ, first at {np.argwhere(differ)[0]}"

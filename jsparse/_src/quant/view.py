@@ -198,7 +198,7 @@ def make_view(tree: PyTree, quantize: QuantizeOption) -> RolloutView | None:
       returns a 4-bit or other unsupported dtype, or gives other bits on a second run.
   """
   flat_with_path, treedef = jax.tree.flatten_with_path(tree)
-  leaves, specs = [], []
+  leaves, specs, checked = [], [], set()
   for path, value in flat_with_path:
     name = jax.tree_util.keystr(path)
     dtype = np.dtype(jax.dtypes.canonicalize_dtype(
@@ -207,7 +207,17 @@ def make_view(tree: PyTree, quantize: QuantizeOption) -> RolloutView | None:
                     Layout.of(getattr(value, "sharding", None), tuple(np.shape(value))))
     spec = _spec_for(quantize, leaf)
     if spec is not None and not isinstance(spec, Quantization):
-      _check_user_quantizer(spec, leaf, value)
+      # Once per quantizer and leaf shape (its traces depend on nothing else): each check
+      # compiles it twice.
+      key = (spec, leaf.shape, leaf.dtype)
+      try:
+        seen = key in checked
+      except TypeError:  # an unhashable quantizer: checked on every leaf
+        seen, key = False, None
+      if not seen:
+        _check_user_quantizer(spec, leaf, value)
+        if key is not None:
+          checked.add(key)
     leaves.append(leaf)
     specs.append(spec)
   if all(spec is None for spec in specs):
