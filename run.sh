@@ -61,7 +61,7 @@ case "$cmd" in
   # Serial by default: the multi-process scenarios time their rollouts against each other.
   # `bash run.sh test -n auto --dist loadfile` runs the files on every core (at most 4 workers,
   # tests/conftest.py; each file whole on one worker), for machines of more than 2 cores (the
-  # serial run keeps more than one busy: ~41 min on 2); under load a timed scenario may fail.
+  # serial run keeps more than one busy: ~40 min on 2); under load a timed scenario may fail.
   test) setup test; exec "$venv/bin/python" -m pytest "$@" ;;
   *) echo "usage: bash run.sh demo|test [options]" >&2; exit 2 ;;
 esac
