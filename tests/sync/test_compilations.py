@@ -393,6 +393,7 @@ def test_with_compiling_ahead_off_a_call_runs_at_a_compiled_level_or_compiles_it
   assert levels.choose("family", needed=3) == 0 and levels.choose("family", needed=-2) == -2
   previous = programs.compile_ahead(False)
   try:
+    assert programs.wait_for_slot_levels(timeout=600)  # one an earlier test left compiling
     rng = np.random.default_rng(7)
     params = {"w": rng.standard_normal((256, 392), np.float32)}  # one segment
     plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
@@ -403,7 +404,7 @@ def test_with_compiling_ahead_off_a_call_runs_at_a_compiled_level_or_compiles_it
       _sent(sender, receiver, params)
       assert_trees_bitwise_equal(receiver.params, plan.cast(params))
       overflowed.append(sender.last_stats.overflowed_segments)
-    assert levels.wait(timeout=0) and len(_BACKGROUND_COMPILES) == background
+    assert len(_BACKGROUND_COMPILES) == background
     assert overflowed[0] == 0 and overflowed[1] > 0 and overflowed[2:] == [0, 0], overflowed
   finally:
     programs.compile_ahead(previous)
