@@ -29,6 +29,7 @@ import numpy as np
 
 from jsparse._src.core import bits as bits_lib
 from jsparse._src.core.blocks import apply_blocks, count_blocks, diff_blocks
+from jsparse._src.core.chunks import sub_plan
 from jsparse._src.core.layout import Layout, mesh_neutral
 from jsparse._src.core.placement import (commit_leaves, distinct_buffers, is_traced, layouts_of,
                                          place_on_plan_layouts, replicated_on)
@@ -129,11 +130,19 @@ def _diff_segment(plan: Plan, segment: Segment, base: list, new: list) -> tuple[
           count, count > segment.capacity, None)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _segment_diff(single: Plan, base: list, new: list) -> tuple[jax.Array, ...]:
+  """:func:`_diff_segment` of the one segment of ``single`` (a :func:`sub_plan`, which names no
+  paths): inside a program, segments of one structure share one trace and one lowering."""
+  return _diff_segment(single, single.segments[0], base, new)
+
+
 def diff_flat_with_old(plan: Plan, base: list, new: list
                        ) -> tuple[Delta, tuple[jax.Array, ...], tuple[jax.Array | None, ...]]:
   """:func:`diff_flat`, and per segment the old bits at the delta's positions (0 where unused)
   and, for a leaf split into blocks, ``int32[blocks]`` changes per block (else None)."""
-  parts = [_diff_segment(plan, seg, base, new) for seg in plan.segments]
+  parts = [_segment_diff(sub_plan(plan, (s,)), [base[i] for i in seg.leaf_ids],
+                         [new[i] for i in seg.leaf_ids]) for s, seg in enumerate(plan.segments)]
   if not parts:
     return Delta((), (), jnp.zeros((0,), jnp.int32), jnp.zeros((0,), bool)), (), ()
   delta = Delta(tuple(p[0] for p in parts), tuple(p[1] for p in parts),

@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 from jsparse._src.core.chunks import (Chunk, chunks_of, place_leaves, place_segments,
-                                      sum_digests, unchunked_leaves)
+                                      sub_plan, sum_digests, unchunked_leaves)
 from jsparse._src.core.bits import gather_bits
 from jsparse._src.core.delta import (Delta, apply_flat, change_counts, diff_flat_with_old,
                                      segment_bits)
@@ -152,6 +152,22 @@ def _tables(plan: Plan, seg: Segment, flat: list) -> ranks_lib.ClassTables:
   return ranks_lib.class_tables(segment_bits(plan, seg, flat), seg.dtype)
 
 
+# Per segment, inside a chunk's programs: jitted on the segment's own structural plan (a
+# ``sub_plan``, which names no paths), so that a chunk's segments of one structure share one
+# trace and one lowering.
+@functools.partial(jax.jit, static_argnums=0)
+def _segment_tables(single: Plan, flat: list) -> ranks_lib.ClassTables:
+  return _tables(single, single.segments[0], flat)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _segment_gain(single: Plan, positions: jax.Array, new: jax.Array, old: jax.Array,
+                  leaf_ids: jax.Array) -> jax.Array:
+  seg = single.segments[0]
+  within, ids = _slot_leaves(seg, jnp.minimum(positions, seg.size - 1), leaf_ids)
+  return change_digest(new, old, within, ids, positions < seg.size)
+
+
 def _placed(x: jax.Array, sharding: NamedSharding) -> jax.Array:
   """Inside a program: ``x`` laid out as ``sharding`` (on its mesh: explicit axes resharded,
   automatic ones constrained)."""
@@ -207,9 +223,10 @@ def _digest_gain(plan: Plan, delta: Delta, old_values: tuple, leaf_ids: jax.Arra
   """``uint32[2]``: what the digest of a chunk's snapshot gains from the delta's slots (old and
   new bits at each changed position): its whole gain if no segment overflowed its slots."""
   gain = jnp.zeros((2,), jnp.uint32)
-  for seg, positions, new, old in zip(plan.segments, delta.indices, delta.values, old_values):
-    within, ids = _slot_leaves(seg, jnp.minimum(positions, seg.size - 1), leaf_ids)
-    gain = gain + change_digest(new, old, within, ids, positions < seg.size)
+  for s, (seg, positions, new, old) in enumerate(zip(plan.segments, delta.indices, delta.values,
+                                                     old_values)):
+    gain = gain + _segment_gain(sub_plan(plan, (s,)), positions, new, old,
+                                leaf_ids[np.asarray(seg.leaf_ids, np.int32)])
   return gain
 
 
@@ -225,8 +242,8 @@ def diff_program(plan: Plan, ranked: bool, snapshot: list, new: list, leaf_ids: 
   and gathered here, so the next snapshot keeps the snapshot's layout."""
   new = _relaid_new(plan, new, relaid)
   delta, old_values, block_counts = diff_flat_with_old(plan, snapshot, new)
-  tables = tuple(_tables(plan, seg, snapshot) if ranked and seg.ordered else None
-                 for seg in plan.segments)
+  tables = tuple(_segment_tables(sub_plan(plan, (s,)), [snapshot[i] for i in seg.leaf_ids])
+                 if ranked and seg.ordered else None for s, seg in enumerate(plan.segments))
   gain = _digest_gain(plan, delta, old_values, leaf_ids)
   # Every read of the snapshot comes before the next snapshot is cast into its (donated)
   # buffers: XLA would otherwise copy the snapshot first (two more passes, and a temporary of
