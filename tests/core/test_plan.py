@@ -184,7 +184,7 @@ def test_a_tree_of_other_containers_names_the_first_difference_in_a_few_lines():
                      r"flax.nnx.variablelib.Param there, the tree has none \(plan has 10 leaves, "
                      r"got 9\)"):
     jsparse.Receiver(plan, other)
-  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  one = jax.sharding.make_single_device_sharding(jax.devices()[0])
   plan = jsparse.make_plan({"a": jnp.zeros(2), "b": {"c": jnp.zeros(2)}})
   with pytest.raises(jsparse.PlanMismatchError, match=r"shardings: .* at \['b'\]\['c'\]: the plan "
                      r"has a leaf there, the tree has none"):

@@ -46,7 +46,7 @@ def commit_leaves(flat: list) -> list:
   meshes = [x.sharding.mesh for x in flat if isinstance(x, jax.Array) and not is_traced(x)
             and isinstance(x.sharding, NamedSharding) and getattr(x, "committed", True)]
   default = (NamedSharding(meshes[0], PartitionSpec()) if meshes
-             else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+             else jax.sharding.make_single_device_sharding(jax.local_devices()[0]))
   out, moves = list(flat), {}  # leaf -> sharding, placed in one batched device_put
   for i, x in enumerate(flat):
     if is_traced(x):

@@ -249,7 +249,7 @@ def _pack_job(plan: Plan, unit: Unit, changes: DeviceChanges, ranked: bool, leve
     device = next(iter(shards[0][0].devices()))
     per_block = programs.level_slots(plan, (s,), diff_level)[0] // seg.blocks
     shape = (per_block * len(unit.blocks),)
-  on = jax.sharding.SingleDeviceSharding(device)
+  on = jax.sharding.make_single_device_sharding(device)
   placed = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on)
   inputs = [placed(shape, x.dtype) for x in columns]
   gather = None if seg.blocks == 1 else (
@@ -365,7 +365,7 @@ def _unpack_job(plan: Plan, unit: Unit, device, level: int) -> Callable[[], None
   """What compiles :func:`_unpacked` for ``unit`` on ``device`` with its streams in a buffer
   of slot ``level``."""
   uplan = unit_plan(plan, unit)
-  slots, on = _key_slots(uplan, level), jax.sharding.SingleDeviceSharding(device)
+  slots, on = _key_slots(uplan, level), jax.sharding.make_single_device_sharding(device)
   words = jax.ShapeDtypeStruct((_unit_words(plan, unit, level),), jnp.uint32, sharding=on)
   int32 = lambda n, sharding=None: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=sharding)
 

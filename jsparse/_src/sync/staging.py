@@ -112,7 +112,7 @@ def compile_slots(plan: Plan, devices: Sequence, segment: int, slots: int,
     key = (slots, seg.bit_dtype, (block, committed), device)
     if key in _COMPILED:
       continue
-    on = jax.sharding.SingleDeviceSharding(device) if committed else None
+    on = jax.sharding.make_single_device_sharding(device) if committed else None
     block_keys = jax.ShapeDtypeStruct((block,), jnp.int32, sharding=on)
     block_values = jax.ShapeDtypeStruct((block,), dtype, sharding=on)
     with jax.default_device(device):

@@ -104,7 +104,7 @@ def storable(plan: Plan, tree: PyTree) -> PyTree:
 
 def storable_shapes(plan: Plan, shardings: PyTree | None = None) -> PyTree:
   """The abstract target of a :func:`storable` rollout tree (see ``Plan.rollout_shapes``)."""
-  default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  default = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
   flat = jax.tree.leaves(plan.rollout_shapes(shardings))
   return jax.tree.unflatten(plan.treedef, [
       jax.ShapeDtypeStruct((1,), s.dtype, sharding=default) if leaf.size == 0 else s
