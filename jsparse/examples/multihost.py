@@ -397,11 +397,43 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(role: str, processes: int, devices: int, out_dir: str, extra: Sequence[str] = (),
-           timeout: float = 300) -> list[dict]:
-  """Runs ``role`` as a local ``jax.distributed`` job of ``processes`` processes with
-  ``devices`` CPU devices each; returns each process's report. Every process is killed if the
-  job fails or runs past ``timeout`` seconds."""
+class Job:
+  """A local ``jax.distributed`` job started by :func:`start`: :meth:`wait` for its reports."""
+
+  def __init__(self, role: str, procs: list, timeout: float):
+    self.role, self._procs = role, procs
+    self._deadline = time.monotonic() + timeout
+
+  def wait(self) -> list[dict]:
+    """Each process's report, once all have exited; every process is killed if one fails or
+    the job runs past its timeout."""
+    try:
+      for proc, _, _ in self._procs:
+        proc.wait(timeout=max(1, self._deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      pass
+    finally:
+      self.kill()
+    failed = [(i, p.returncode) for i, (p, _, _) in enumerate(self._procs) if p.returncode != 0]
+    if failed:
+      tails = "\n".join(Path(log.name).read_text()[-3000:] for _, _, log in self._procs)
+      raise RuntimeError(f"{self.role} job failed (process, exit code) {failed}:\n{tails}")
+    return [json.loads(report.read_text()) for _, report, _ in self._procs]
+
+  def kill(self) -> None:
+    """Stops every process of the job still running."""
+    for proc, _, log in self._procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+      log.close()
+
+
+def start(role: str, processes: int, devices: int, out_dir: str, extra: Sequence[str] = (),
+          timeout: float = 300) -> Job:
+  """Starts ``role`` as a local ``jax.distributed`` job of ``processes`` processes with
+  ``devices`` CPU devices each (killed by :meth:`Job.wait` past ``timeout`` seconds from now);
+  jobs on different output folders run side by side."""
   from jsparse.testing import host_device_flags
   port = _free_port()
   env = dict(os.environ, XLA_FLAGS=host_device_flags(devices),
@@ -417,23 +449,14 @@ def launch(role: str, processes: int, devices: int, out_dir: str, extra: Sequenc
     log = open(logs / f"{report.stem}.log", "w")
     procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), report,
                   log))
-  deadline = time.monotonic() + timeout
-  try:
-    for proc, _, _ in procs:
-      proc.wait(timeout=max(1, deadline - time.monotonic()))
-  except subprocess.TimeoutExpired:
-    pass
-  finally:
-    for proc, _, log in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-      log.close()
-  failed = [(i, p.returncode) for i, (p, _, _) in enumerate(procs) if p.returncode != 0]
-  if failed:
-    tails = "\n".join(Path(log.name).read_text()[-3000:] for _, _, log in procs)
-    raise RuntimeError(f"{role} job failed (process, exit code) {failed}:\n{tails}")
-  return [json.loads(report.read_text()) for _, report, _ in procs]
+  return Job(role, procs, timeout)
+
+
+def launch(role: str, processes: int, devices: int, out_dir: str, extra: Sequence[str] = (),
+           timeout: float = 300) -> list[dict]:
+  """Runs ``role`` as a local ``jax.distributed`` job (:func:`start`) and returns each
+  process's report."""
+  return start(role, processes, devices, out_dir, extra, timeout).wait()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

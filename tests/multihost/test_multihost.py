@@ -11,43 +11,46 @@ import pytest
 
 from jsparse.examples import multihost
 
-TIMEOUT = 300  # seconds per job
+TIMEOUT = 400  # seconds per job (several run at once)
 FOUR_STEPS = 2  # training steps of the 4-process trainer (versions 2..3)
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
+  """Every job's reports. Jobs that need nothing of each other run side by side (their
+  processes spend much of their time starting and waiting on each other)."""
   fsdp = tmp_path_factory.mktemp("trainer_2x4")
-  reports = {"trainer": multihost.launch(
-      "trainer", 2, 4, str(fsdp), ["--save-state", "--chain", "--coding", "ranked"],  # ranks
-      timeout=TIMEOUT)}  # resolved across the rollout processes that split a leaf
-  reports["one"] = multihost.launch("rollout", 1, 8, str(fsdp), ["--name", "one", "--faults"],
-                                    timeout=TIMEOUT)
-  reports["two"] = multihost.launch("rollout", 2, 4, str(fsdp),
-                                    ["--name", "two", "--faults", "--save-at", "3"],
-                                    timeout=TIMEOUT)
-  reports["follow"] = multihost.launch("rollout", 2, 4, str(fsdp),
-                                       ["--name", "follow", "--follow", "--steps", "0"],
-                                       timeout=TIMEOUT)
-  reports["restored"] = multihost.launch(
-      "rollout", 1, 8, str(fsdp), ["--name", "restored", "--tensor", "2",
-                                   "--restore-from", "rollout_state_two", "--chain"], timeout=TIMEOUT)
   four = tmp_path_factory.mktemp("trainer_4x2")
-  # Its own run of FOUR_STEPS steps (the anchor and deltas of versions 1-3, each checked by
-  # the rollout; the 2-process trainer's run covers the longer chain of versions).
-  steps4 = ["--steps", str(FOUR_STEPS)]
-  reports["trainer4"] = multihost.launch(
-      "trainer", 4, 2, str(four), ["--restore-sender", str(fsdp / "sender_state"),
-                                   "--coding", "packed", *steps4],  # parts packed on the devices
-      timeout=TIMEOUT)
-  reports["after4"] = multihost.launch("rollout", 2, 4, str(four),
-                                       ["--name", "after4", *steps4], timeout=TIMEOUT)
   quantized = tmp_path_factory.mktemp("trainer_fp8")  # FP8 rollout weights, per channel
   fp8 = ["--quantize", "fp8_per_channel", "--steps", "3"]
-  reports["trainer_fp8"] = multihost.launch("trainer", 2, 4, str(quantized),
-                                            [*fp8, "--coding", "auto"], timeout=TIMEOUT)
-  reports["rollout_fp8"] = multihost.launch("rollout", 2, 4, str(quantized),
-                                            ["--name", "rollout_fp8", *fp8], timeout=TIMEOUT)
+  # The 4-process trainer runs its own FOUR_STEPS steps (the anchor and deltas of versions
+  # 1-3, each checked by the rollout; the 2-process trainer's run covers the longer chain).
+  steps4 = ["--steps", str(FOUR_STEPS)]
+  phases = [
+      {"trainer": ("trainer", 2, 4, fsdp, ["--save-state", "--chain", "--coding", "ranked"]),
+       # ranks resolved across the rollout processes that split a leaf
+       "trainer_fp8": ("trainer", 2, 4, quantized, [*fp8, "--coding", "auto"])},
+      {"one": ("rollout", 1, 8, fsdp, ["--name", "one", "--faults"]),
+       "two": ("rollout", 2, 4, fsdp, ["--name", "two", "--faults", "--save-at", "3"]),
+       "rollout_fp8": ("rollout", 2, 4, quantized, ["--name", "rollout_fp8", *fp8])},
+      {"follow": ("rollout", 2, 4, fsdp, ["--name", "follow", "--follow", "--steps", "0"]),
+       "restored": ("rollout", 1, 8, fsdp, ["--name", "restored", "--tensor", "2",
+                                            "--restore-from", "rollout_state_two", "--chain"]),
+       "trainer4": ("trainer", 4, 2, four, ["--restore-sender", str(fsdp / "sender_state"),
+                                            "--coding", "packed", *steps4])},  # packed parts
+      {"after4": ("rollout", 2, 4, four, ["--name", "after4", *steps4])},
+  ]
+  reports, started = {}, []
+  try:
+    for phase in phases:
+      running = {name: multihost.start(role, processes, devices, str(folder), extra,
+                                       timeout=TIMEOUT)
+                 for name, (role, processes, devices, folder, extra) in phase.items()}
+      started += running.values()
+      reports.update({name: job.wait() for name, job in running.items()})
+  finally:
+    for job in started:
+      job.kill()
   return reports
 
 
