@@ -17,8 +17,7 @@ FOUR_STEPS = 2  # training steps of the 4-process trainer (versions 2..3)
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-  """Every job's reports. Jobs that need nothing of each other run side by side (their
-  processes spend much of their time starting and waiting on each other)."""
+  """Every job's reports; jobs that need nothing of each other run side by side."""
   fsdp = tmp_path_factory.mktemp("trainer_2x4")
   four = tmp_path_factory.mktemp("trainer_4x2")
   quantized = tmp_path_factory.mktemp("trainer_fp8")  # FP8 rollout weights, per channel

@@ -212,7 +212,8 @@ class Plan:
     tree of ``jax.sharding.Sharding`` with the plan's structure; None: the default device, not
     wherever the arrays were saved from). This is the abstract target to restore a rollout tree
     onto, e.g. with Orbax."""
-    placements = [jax.sharding.make_single_device_sharding(jax.local_devices()[0])] * len(self.leaves)
+    default = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
+    placements = [default] * len(self.leaves)
     if shardings is not None:
       try:
         placements = self.treedef.flatten_up_to(shardings)
