@@ -26,8 +26,8 @@ def jobs(tmp_path_factory):
   # 1-3, each checked by the rollout; the 2-process trainer's run covers the longer chain).
   steps4 = ["--steps", str(FOUR_STEPS)]
   phases = [
+      # ranked: ranks resolved across the rollout processes that split a leaf
       {"trainer": ("trainer", 2, 4, fsdp, ["--save-state", "--chain", "--coding", "ranked"]),
-       # ranks resolved across the rollout processes that split a leaf
        "trainer_fp8": ("trainer", 2, 4, quantized, [*fp8, "--coding", "auto"])},
       {"one": ("rollout", 1, 8, fsdp, ["--name", "one", "--faults"]),
        "two": ("rollout", 2, 4, fsdp, ["--name", "two", "--faults", "--save-at", "3"]),
