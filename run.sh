@@ -55,13 +55,21 @@ setup() {
   echo "$extra $hash" > "$stamp"
 }
 
+# pytest-xdist's options for `test`, unless the arguments already choose how it runs.
+default_workers() {
+  local a
+  for a in "$@"; do
+    case "$a" in -n|-n*|--numprocesses*|--dist*|*no:xdist) return 0 ;; esac
+  done
+  echo "-n auto --dist loadfile"
+}
+
 cmd="${1:-}"; shift || true
 case "$cmd" in
   demo) setup demo; exec "$venv/bin/python" -m jsparse.examples.demo "$@" ;;
-  # Serial by default: the multi-process scenarios time their rollouts against each other.
-  # `bash run.sh test -n auto --dist loadfile` runs the files on every core (at most 4 workers,
-  # tests/conftest.py; each file whole on one worker), for machines of more than 2 cores (the
-  # serial run keeps more than one busy: ~40 min on 2); under load a timed scenario may fail.
-  test) setup test; exec "$venv/bin/python" -m pytest "$@" ;;
+  # The test files run on every core (pytest-xdist: one worker per core, at most 4, see
+  # tests/conftest.py; each file whole on one worker, so a module's processes, servers and Ray
+  # start once), unless the arguments choose: `-n 0` runs serially (for --pdb, say).
+  test) setup test; exec "$venv/bin/python" -m pytest $(default_workers "$@") "$@" ;;
   *) echo "usage: bash run.sh demo|test [options]" >&2; exit 2 ;;
 esac

@@ -14,6 +14,10 @@ from jsparse import engine
 from jsparse.examples.ray_engine import Rollout, Trainer
 from tests.engine.test_fencing import KEY_PAIRS, check_signed_versions, check_twin_publishers
 
+# Seconds a feed's registry call may take: a bound on a hung call, not a speed test (in a run
+# of two pytest workers on 2 cores, one took over 30 s).
+REGISTRY_TIMEOUT = 120
+
 
 def _sync(trainer, rollouts):
   ray.get([r.poll.remote() for r in rollouts])
@@ -49,7 +53,7 @@ def local_ray():
 def scenario(local_ray, tmp_path_factory):
   work = tmp_path_factory.mktemp("ray")
   out = {}
-  feed = engine.RayFeed.create(f"feed-{uuid.uuid4().hex[:8]}", timeout=30)
+  feed = engine.RayFeed.create(f"feed-{uuid.uuid4().hex[:8]}", timeout=REGISTRY_TIMEOUT)
   trainer = Trainer.remote(feed, str(work), anchor_every=3)
   tp4 = Rollout.remote(feed, 4, str(work / "tp4"))
   tp2 = Rollout.remote(feed, 2, str(work / "tp2"))
@@ -146,7 +150,7 @@ def test_a_part_the_object_store_cannot_serve_is_replaced_by_an_anchor(local_ray
   import jsparse
   from jsparse.engine import Publisher, Subscriber
   from jsparse.testing import assert_trees_bitwise_equal
-  feed = engine.RayFeed.create(f"feed-{uuid.uuid4().hex[:8]}", timeout=30)
+  feed = engine.RayFeed.create(f"feed-{uuid.uuid4().hex[:8]}", timeout=REGISTRY_TIMEOUT)
   params = {"w": jnp.linspace(-1.0, 1.0, 4096)}
   plan = jsparse.make_plan(params, rollout_dtype=jnp.bfloat16)
   publisher = Publisher(jsparse.Sender(plan, params), feed, anchor_every=None)
@@ -178,7 +182,7 @@ def test_rollouts_over_ray_stay_exact_and_catch_up_once_faults_stop(local_ray, s
   """The engine fuzz (``test_engine_fuzz.py``) on a RayFeed: failed registry writes, entries
   lost, damaged reads, lost anchor requests, restarts of either side."""
   from tests.engine.test_engine_fuzz import damage_reads, fuzz_plan, run_case
-  feed = engine.RayFeed.create(f"fuzz-{uuid.uuid4().hex[:8]}", timeout=30)
+  feed = engine.RayFeed.create(f"fuzz-{uuid.uuid4().hex[:8]}", timeout=REGISTRY_TIMEOUT)
   outcome = run_case(fuzz_plan(), 500 + seed, feed, damage_reads)
   assert outcome["polls"] > 0
 
@@ -187,22 +191,22 @@ def test_rollouts_over_ray_stay_exact_and_catch_up_once_faults_stop(local_ray, s
 @pytest.mark.parametrize("keys", KEY_PAIRS, ids=["hmac", "ed25519"])
 def test_signed_versions_over_ray_refuse_forged_and_unsigned_commits(local_ray, keys):
   name = f"signed-{uuid.uuid4().hex[:8]}"
-  created = engine.RayFeed.create(name, timeout=30)  # its registry lives while this holds it
-  check_signed_versions(lambda: engine.RayFeed.connect(name, timeout=30), *keys)
+  created = engine.RayFeed.create(name, timeout=REGISTRY_TIMEOUT)  # its registry lives while this holds it
+  check_signed_versions(lambda: engine.RayFeed.connect(name, timeout=REGISTRY_TIMEOUT), *keys)
   del created
 
 
 def test_a_trainer_restored_twice_over_ray_fences_its_zombie(local_ray):
   name = f"twins-{uuid.uuid4().hex[:8]}"
-  created = engine.RayFeed.create(name, timeout=30)  # its registry lives while this holds it
-  check_twin_publishers(lambda: engine.RayFeed.connect(name, timeout=30))
+  created = engine.RayFeed.create(name, timeout=REGISTRY_TIMEOUT)  # its registry lives while this holds it
+  check_twin_publishers(lambda: engine.RayFeed.connect(name, timeout=REGISTRY_TIMEOUT))
   del created
 
 
 def test_a_trainer_and_two_rollout_processes_on_ray(local_ray, tmp_path, caplog):
   from tests.engine.fleet_scenario import check, run_scenario
   name = f"fleet-{uuid.uuid4().hex[:8]}"
-  feed = engine.RayFeed.create(name, timeout=30)
+  feed = engine.RayFeed.create(name, timeout=REGISTRY_TIMEOUT)
   context = ray.get_runtime_context()
   spec = f"ray:{context.gcs_address}:{context.namespace}:{name}"
   check(run_scenario(feed, spec, tmp_path, caplog))
