@@ -21,7 +21,7 @@ def open_feed(spec: str):
     from jsparse.engine import RayFeed
     _, host, port, namespace, name = spec.split(":")
     ray.init(address=f"{host}:{port}", namespace=namespace, log_to_driver=False)
-    return RayFeed.connect(name, timeout=30)
+    return RayFeed.connect(name, timeout=120)  # a bound on a hung call, on a loaded machine
   with open(spec, "rb") as f:
     return pickle.load(f)
 

@@ -191,14 +191,16 @@ def test_rollouts_over_ray_stay_exact_and_catch_up_once_faults_stop(local_ray, s
 @pytest.mark.parametrize("keys", KEY_PAIRS, ids=["hmac", "ed25519"])
 def test_signed_versions_over_ray_refuse_forged_and_unsigned_commits(local_ray, keys):
   name = f"signed-{uuid.uuid4().hex[:8]}"
-  created = engine.RayFeed.create(name, timeout=REGISTRY_TIMEOUT)  # its registry lives while this holds it
+  # its registry lives while this holds it
+  created = engine.RayFeed.create(name, timeout=REGISTRY_TIMEOUT)
   check_signed_versions(lambda: engine.RayFeed.connect(name, timeout=REGISTRY_TIMEOUT), *keys)
   del created
 
 
 def test_a_trainer_restored_twice_over_ray_fences_its_zombie(local_ray):
   name = f"twins-{uuid.uuid4().hex[:8]}"
-  created = engine.RayFeed.create(name, timeout=REGISTRY_TIMEOUT)  # its registry lives while this holds it
+  # its registry lives while this holds it
+  created = engine.RayFeed.create(name, timeout=REGISTRY_TIMEOUT)
   check_twin_publishers(lambda: engine.RayFeed.connect(name, timeout=REGISTRY_TIMEOUT))
   del created
 
