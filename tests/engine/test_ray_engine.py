@@ -136,7 +136,7 @@ def test_a_restarted_trainer_publishes_an_anchor_newer_than_all_it_had(scenario)
   assert tp4["anchors"] == 1  # counted since its own restart: the restart (16)
 
 
-@ray.remote
+@ray.remote(max_retries=0)  # lost at its first crash: Ray would start it 3 more times
 def _crashing_worker():
   import os
   os._exit(1)
